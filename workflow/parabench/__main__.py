@@ -1,0 +1,3 @@
+from parabench.cli import main
+
+raise SystemExit(main())

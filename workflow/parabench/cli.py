@@ -1,0 +1,84 @@
+"""Command line: `parabench run | guard | aggregate | report`.
+
+`run` executes one cell. Its flags are generated from RunSpec's fields, so the
+workflow's command line (spec_argv) and the parser cannot drift apart, and every
+logged command reruns its cell by hand, without Snakemake.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+from parabench.spec import ModelSpec, RunSpec
+
+_SPEC_FIELDS = [f for f in dataclasses.fields(RunSpec) if f.name != "model"]
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def spec_argv(spec: RunSpec) -> list[str]:
+    """The `parabench run` arguments that reproduce `spec` exactly."""
+    argv = ["--arch", spec.model.arch, "--sizes", json.dumps(dict(spec.model.sizes))]
+    for f in _SPEC_FIELDS:
+        value = getattr(spec, f.name)
+        if value is not None:
+            argv += [_flag(f.name), str(value)]
+    return argv
+
+
+def _add_spec_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--arch", required=True, help="model architecture (mlp, seqnet, resmlp)")
+    p.add_argument("--sizes", default="{}", type=json.loads,
+                   help='architecture size overrides as JSON, e.g. \'{"dims": [64, 32, 1]}\'')
+    types = {"int": int, "float": float, "str": str, "float | None": float}
+    for f in _SPEC_FIELDS:
+        required = f.default is dataclasses.MISSING
+        p.add_argument(_flag(f.name), dest=f.name, type=types[str(f.type)], required=required,
+                       default=None if required else f.default)
+
+
+def _spec_from(args: argparse.Namespace) -> RunSpec:
+    model = ModelSpec.of(args.arch, **args.sizes)
+    return RunSpec(model=model, **{f.name: getattr(args, f.name) for f in _SPEC_FIELDS})
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="parabench", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    run = sub.add_parser("run", help="run one cell (under torchrun for multi-rank strategies)")
+    _add_spec_args(run)
+    run.add_argument("--out", type=Path, required=True, help="cell directory for the records")
+
+    agg = sub.add_parser("aggregate", help="merge cell records into steps.csv and summary.csv")
+    agg.add_argument("--meta", type=Path, nargs="+", required=True, help="cells' meta.json files")
+    agg.add_argument("--steps-out", type=Path, required=True)
+    agg.add_argument("--summary-out", type=Path, required=True)
+    agg.add_argument("--cells-out", type=Path, required=True)
+
+    args = parser.parse_args(argv)
+    if args.command == "run":
+        from parabench.cell import run_cell
+
+        try:
+            spec = _spec_from(args)
+        except ValueError as e:
+            print(f"parabench: invalid cell: {e}", file=sys.stderr)
+            return 2
+        if problems := spec.problems():
+            print("parabench: invalid cell: " + "; ".join(problems), file=sys.stderr)
+            return 2
+        return run_cell(spec, args.out)
+    if args.command == "aggregate":
+        from parabench.aggregate import aggregate
+
+        aggregate(args.meta, args.steps_out, args.summary_out, args.cells_out)
+        return 0
+    return 1
+

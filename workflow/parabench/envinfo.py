@@ -1,0 +1,95 @@
+"""The environment a cell ran in: enough to reproduce it or to explain its numbers."""
+
+from __future__ import annotations
+
+import os
+import platform
+import socket
+import subprocess
+import sys
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+SLURM_VARS = (
+    "SLURM_JOB_ID", "SLURM_JOB_NAME", "SLURM_JOB_PARTITION", "SLURM_JOB_NODELIST",
+    "SLURM_NNODES", "SLURM_NTASKS", "SLURM_GPUS_ON_NODE", "SLURM_GPUS", "SLURM_GPUS_PER_NODE",
+    "SLURM_CPUS_PER_TASK", "SLURM_CPUS_ON_NODE", "SLURM_MEM_PER_NODE", "SLURM_CLUSTER_NAME",
+)
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def git_commit(cwd: Path | None = None) -> str | None:
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True, timeout=5
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if out.returncode != 0:
+        return None
+    dirty = subprocess.run(
+        ["git", "status", "--porcelain", "--untracked-files=no"], cwd=cwd,
+        capture_output=True, text=True, timeout=5,
+    ).stdout.strip()
+    return out.stdout.strip() + ("-dirty" if dirty else "")
+
+
+def launch_command() -> list[str]:
+    """The command that started this cell. Under torchrun that is the agent (our parent
+    process), whose command line Linux exposes; otherwise our own."""
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        try:
+            raw = Path(f"/proc/{os.getppid()}/cmdline").read_bytes()
+            return [a.decode() for a in raw.split(b"\0") if a]
+        except OSError:
+            pass
+    return list(getattr(sys, "orig_argv", sys.argv))
+
+
+def usable_cores() -> int:
+    """Cores this process may run on: the Slurm/cgroup allocation, not the machine."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def describe(device_type: str) -> dict:
+    cuda = torch.cuda.is_available()
+    env = {
+        "host": socket.gethostname(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "cudnn": torch.backends.cudnn.version() if cuda else None,
+        "nccl": ".".join(map(str, torch.cuda.nccl.version())) if cuda else None,
+        "gloo": dist.is_gloo_available(),
+        "device_type": device_type,
+        "cuda_device_count": torch.cuda.device_count() if cuda else 0,
+        "device_names": (
+            [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+            if cuda else []
+        ),
+        "cpu_model": cpu_model(),
+        "usable_cores": usable_cores(),
+        "torch_threads": torch.get_num_threads(),
+        "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+        "slurm": {k: os.environ[k] for k in SLURM_VARS if k in os.environ},
+        "git_commit": git_commit(),
+        "launch_command": launch_command(),
+        "start_time": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    }
+    return env

@@ -1,0 +1,49 @@
+"""FLOPs of one training step, counted by PyTorch rather than estimated.
+
+6 * params * batch overcounts an MLP: its first layer needs no gradient with respect to
+the input, so its backward is one GEMM, not two. FlopCounterMode counts what autograd
+actually runs.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+
+from parabench.models import Model
+
+
+def _fwd_bwd(module: nn.Module, x: torch.Tensor, loss) -> int:
+    with FlopCounterMode(display=False) as counter:
+        out = module(x)
+        loss(out).backward()
+    return int(counter.get_total_flops())
+
+
+def step_flops(model: Model, batch: int) -> int:
+    """FLOPs of forward + backward of the whole model on `batch` samples (meta tensors:
+    shapes only, no memory, no compute)."""
+    meta = copy.deepcopy(model.blocks).to("meta")
+    x = torch.empty(batch, model.in_features, device="meta")
+    return _fwd_bwd(meta, x, lambda out: out.sum())
+
+
+def block_flops(model: Model, batch: int = 8) -> list[int]:
+    """Forward + backward FLOPs of each block on its own, for cutting balanced stages.
+
+    The first block's input needs no gradient, the others' inputs do (they are
+    activations), exactly as in training.
+    """
+    meta = copy.deepcopy(model.blocks).to("meta")
+    x = torch.empty(batch, model.in_features, device="meta")
+    costs = []
+    for i, block in enumerate(meta):
+        if i > 0:
+            x = x.detach().requires_grad_(True)
+        costs.append(_fwd_bwd(block, x, lambda out: out.sum()))
+        with torch.no_grad():
+            x = block(x)
+    return costs

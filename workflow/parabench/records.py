@@ -1,0 +1,101 @@
+"""The results contract: one cell writes steps.csv + meta.json (+ params.pt) atomically.
+
+Defined once here, with a version. meta.json is written last and is the commit marker:
+a cell directory without it never happened. Columns are documented in STEP_COLUMNS and
+in docs/results.md.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import os
+import tempfile
+from pathlib import Path
+
+SCHEMA_VERSION = 1
+STATUSES = ("ok", "skipped", "failed")
+
+# One row per optimizer step of one cell (warm-up rows kept, marked by `phase`).
+STEP_COLUMNS: dict[str, str] = {
+    "schema_version": "version of this contract",
+    "model": "model label from the config",
+    "strategy": "strategy name",
+    "devices": "devices (GPUs, or CPU processes / stage slots) the cell used",
+    "repeat": "index of the separate launch this cell was",
+    "step": "optimizer step index, from 0, warm-up included",
+    "phase": "'warmup' (excluded from statistics) or 'timed'",
+    "step_time_s": "wall time of the step, synchronized; max over ranks",
+    "step_time_min_s": "fastest rank's time for the same step (rank skew = max - min)",
+    "loss": "global loss of the step (sum of the ranks' contributions)",
+    "samples": "samples in the global batch of the step",
+}
+
+META_KEYS = ("schema_version", "status", "reason", "model", "strategy", "devices", "repeat")
+
+
+class ResultsError(ValueError):
+    """A results file that cannot be trusted (corrupt, wrong schema); names the file."""
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Write to a temporary name in the same directory, then rename: a reader (or a
+    killed run) sees the old file or the whole new one, never a half-written one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def write_steps(path: Path, rows: list[dict]) -> None:
+    buf = io.StringIO()
+    writer = csv.DictWriter(buf, fieldnames=list(STEP_COLUMNS), lineterminator="\n")
+    writer.writeheader()
+    for row in rows:
+        writer.writerow({"schema_version": SCHEMA_VERSION, **row})
+    atomic_write_bytes(path, buf.getvalue().encode())
+
+
+def write_meta(path: Path, meta: dict) -> None:
+    if meta.get("status") not in STATUSES:
+        raise ValueError(f"status must be one of {STATUSES}, got {meta.get('status')!r}")
+    meta = {"schema_version": SCHEMA_VERSION, **meta}
+    atomic_write_bytes(path, (json.dumps(meta, indent=2, sort_keys=True, default=str) + "\n").encode())
+
+
+def read_meta(path: Path) -> dict:
+    """Load and check one meta.json; raise ResultsError naming the file if untrustworthy."""
+    try:
+        meta = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ResultsError(f"{path}: unreadable results metadata ({e})") from e
+    if not isinstance(meta, dict):
+        raise ResultsError(f"{path}: results metadata is not a JSON object")
+    version = meta.get("schema_version")
+    if version != SCHEMA_VERSION:
+        raise ResultsError(
+            f"{path}: results schema version {version!r}, this parabench reads {SCHEMA_VERSION}; "
+            "re-run the cell (delete its directory) or aggregate with the matching version"
+        )
+    missing = [k for k in META_KEYS if k not in meta]
+    if missing:
+        raise ResultsError(f"{path}: results metadata lacks {missing}")
+    if meta["status"] not in STATUSES:
+        raise ResultsError(f"{path}: unknown status {meta['status']!r}")
+    return meta
+
+
+def check_step_header(path: Path, header: list[str]) -> None:
+    if header != list(STEP_COLUMNS):
+        raise ResultsError(
+            f"{path}: step columns {header} do not match schema v{SCHEMA_VERSION} "
+            f"{list(STEP_COLUMNS)}"
+        )

@@ -1,0 +1,51 @@
+"""dp: nn.DataParallel. One process scatters the batch over n GPUs, replicates the model
+on every forward, and gathers outputs on GPU 0, where the loss is computed.
+
+On a CPU-only torch, DataParallel silently ignores device_ids and runs one copy; a cell
+asking for n>1 devices there is skipped, never timed under a "DataParallel" label.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from parabench.models import Model
+from parabench.runtime import Context
+from parabench.spec import RunSpec
+from parabench.strategies.base import Strategy, cpu_params, sgd, train_step
+
+
+class DataParallel(Strategy):
+    name = "dp"
+
+    @classmethod
+    def skip_reason(cls, spec: RunSpec, ctx: Context) -> str | None:
+        if spec.devices == 1:
+            return None
+        if ctx.device.type != "cuda":
+            return (
+                f"nn.DataParallel needs {spec.devices} CUDA devices; on CPU it silently runs "
+                "a single copy, so no honest multi-device number exists"
+            )
+        have = torch.cuda.device_count()
+        if have < spec.devices:
+            return f"nn.DataParallel needs {spec.devices} CUDA devices; {have} visible"
+        return None
+
+    def __init__(self, model: Model, spec: RunSpec, ctx: Context) -> None:
+        super().__init__(model, spec, ctx)
+        inner = model.blocks.to(ctx.device)
+        ids = list(range(spec.devices)) if ctx.device.type == "cuda" else None
+        self.module = nn.DataParallel(inner, device_ids=ids)
+        self.opt = sgd(self.module.parameters(), spec)
+        self._devices = [torch.device("cuda", i) for i in ids] if ids else [ctx.device]
+
+    def devices(self) -> list[torch.device]:
+        return self._devices
+
+    def step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return train_step(self.module, self.loss_fn, self.opt, x, y)
+
+    def full_state(self) -> dict[str, torch.Tensor]:
+        return cpu_params(self.module.module)
