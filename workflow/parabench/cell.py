@@ -14,14 +14,13 @@ from pathlib import Path
 
 import torch
 
-from parabench import envinfo, records, runtime
+from parabench import envinfo, records, runtime, strategies
 from parabench.data import LoaderBatches, SyntheticBatches
 from parabench.flops import step_flops
 from parabench.loop import all_ranks, measure, peak_memory
 from parabench.models import build
 from parabench.peak import gemm_flops_per_s
 from parabench.spec import RunSpec
-from parabench import strategies
 
 
 class SpecError(ValueError):
@@ -29,17 +28,28 @@ class SpecError(ValueError):
 
 
 def cell_identity(spec: RunSpec) -> dict:
-    return {"model": spec.model_name, "strategy": spec.strategy, "devices": spec.devices,
-            "repeat": spec.repeat}
+    return {
+        "model": spec.model_name,
+        "strategy": spec.strategy,
+        "devices": spec.devices,
+        "repeat": spec.repeat,
+    }
 
 
 def write_outcome(out: Path, spec: RunSpec, status: str, reason: str | None, **extra) -> None:
     """A record without steps: skipped or failed. Also used by `parabench guard`."""
     records.write_steps(out / "steps.csv", [])
-    records.write_meta(out / "meta.json", {
-        **cell_identity(spec), "status": status, "reason": reason,
-        "spec": spec.to_dict(), "config_hash": spec.config_hash(), **extra,
-    })
+    records.write_meta(
+        out / "meta.json",
+        {
+            **cell_identity(spec),
+            "status": status,
+            "reason": reason,
+            "spec": spec.to_dict(),
+            "config_hash": spec.config_hash(),
+            **extra,
+        },
+    )
 
 
 def run_cell(spec: RunSpec, out: Path) -> int:
@@ -52,8 +62,12 @@ def run_cell(spec: RunSpec, out: Path) -> int:
     t_start = time.perf_counter()
     ctx = runtime.start(spec)
     env = envinfo.describe(ctx.device.type)
-    common = {"env": env, "world_size": ctx.world_size, "threads_per_rank": ctx.threads,
-              "device_type": ctx.device.type}
+    common = {
+        "env": env,
+        "world_size": ctx.world_size,
+        "threads_per_rank": ctx.threads,
+        "device_type": ctx.device.type,
+    }
     try:
         cls = strategies.get(spec.strategy)
         reason = cls.skip_reason(spec, ctx)
@@ -66,8 +80,15 @@ def run_cell(spec: RunSpec, out: Path) -> int:
     except Exception as e:
         if ctx.is_main:
             tb = traceback.format_exc(limit=-3)
-            write_outcome(out, spec, "failed", f"{type(e).__name__}: {e}", traceback=tb,
-                          rank=ctx.rank, **common)
+            write_outcome(
+                out,
+                spec,
+                "failed",
+                f"{type(e).__name__}: {e}",
+                traceback=tb,
+                rank=ctx.rank,
+                **common,
+            )
         raise
     finally:
         runtime.stop(ctx)
@@ -94,41 +115,57 @@ def _run(spec: RunSpec, ctx: runtime.Context, out: Path, common: dict, t_start: 
     measured = measure(strategy, batches, spec.steps)
 
     state = strategy.full_state()
-    per_rank = all_ranks({
-        "times": measured.times, "losses": measured.losses, "host": common["env"]["host"],
-        "peak_memory": peak_memory(physical), "peak_flops": peak_device * len(physical),
-    }, ctx)
+    per_rank = all_ranks(
+        {
+            "times": measured.times,
+            "losses": measured.losses,
+            "host": common["env"]["host"],
+            "peak_memory": peak_memory(physical),
+            "peak_flops": peak_device * len(physical),
+        },
+        ctx,
+    )
     if not ctx.is_main:
         return
 
     rows = []
     for step in range(spec.steps):
         ts = [r["times"][step] for r in per_rank]
-        rows.append({
-            **cell_identity(spec), "step": step,
-            "phase": "warmup" if step < spec.warmup else "timed",
-            "step_time_s": max(ts), "step_time_min_s": min(ts),
-            "loss": sum(r["losses"][step] for r in per_rank),
-            "samples": spec.global_batch,
-        })
+        rows.append(
+            {
+                **cell_identity(spec),
+                "step": step,
+                "phase": "warmup" if step < spec.warmup else "timed",
+                "step_time_s": max(ts),
+                "step_time_min_s": min(ts),
+                "loss": sum(r["losses"][step] for r in per_rank),
+                "samples": spec.global_batch,
+            }
+        )
     buf = io.BytesIO()
     torch.save(state, buf)
     records.atomic_write_bytes(out / "params.pt", buf.getvalue())
     records.write_steps(out / "steps.csv", rows)
-    records.write_meta(out / "meta.json", {
-        **cell_identity(spec), "status": "ok", "reason": None,
-        "spec": spec.to_dict(), "config_hash": spec.config_hash(), **common,
-        "emulated": strategy.emulated,
-        "stage_cuts": strategy.stage_cuts,
-        "flops_per_step": flops,
-        "peak_flops_per_device": peak_device,
-        "peak_flops_total": sum(r["peak_flops"] for r in per_rank),
-        "peak_flops_source": "config" if spec.peak_flops else "measured GEMM",
-        "peak_memory_bytes": max(r["peak_memory"] for r in per_rank),
-        "peak_memory_per_rank": [r["peak_memory"] for r in per_rank],
-        "hosts": sorted({r["host"] for r in per_rank}),
-        "setup_s": setup_s,
-        "wall_s": time.perf_counter() - t_start,
-        "params_file": "params.pt",
-    })
-
+    records.write_meta(
+        out / "meta.json",
+        {
+            **cell_identity(spec),
+            "status": "ok",
+            "reason": None,
+            "spec": spec.to_dict(),
+            "config_hash": spec.config_hash(),
+            **common,
+            "emulated": strategy.emulated,
+            "stage_cuts": strategy.stage_cuts,
+            "flops_per_step": flops,
+            "peak_flops_per_device": peak_device,
+            "peak_flops_total": sum(r["peak_flops"] for r in per_rank),
+            "peak_flops_source": "config" if spec.peak_flops else "measured GEMM",
+            "peak_memory_bytes": max(r["peak_memory"] for r in per_rank),
+            "peak_memory_per_rank": [r["peak_memory"] for r in per_rank],
+            "hosts": sorted({r["host"] for r in per_rank}),
+            "setup_s": setup_s,
+            "wall_s": time.perf_counter() - t_start,
+            "params_file": "params.pt",
+        },
+    )

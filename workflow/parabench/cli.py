@@ -34,13 +34,22 @@ def spec_argv(spec: RunSpec) -> list[str]:
 
 def _add_spec_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--arch", required=True, help="model architecture (mlp, seqnet, resmlp)")
-    p.add_argument("--sizes", default="{}", type=json.loads,
-                   help='architecture size overrides as JSON, e.g. \'{"dims": [64, 32, 1]}\'')
+    p.add_argument(
+        "--sizes",
+        default="{}",
+        type=json.loads,
+        help="architecture size overrides as JSON, e.g. '{\"dims\": [64, 32, 1]}'",
+    )
     types = {"int": int, "float": float, "str": str, "float | None": float}
     for f in _SPEC_FIELDS:
         required = f.default is dataclasses.MISSING
-        p.add_argument(_flag(f.name), dest=f.name, type=types[str(f.type)], required=required,
-                       default=None if required else f.default)
+        p.add_argument(
+            _flag(f.name),
+            dest=f.name,
+            type=types[str(f.type)],
+            required=required,
+            default=None if required else f.default,
+        )
 
 
 def _spec_from(args: argparse.Namespace) -> RunSpec:
@@ -81,4 +90,3 @@ def main(argv: list[str] | None = None) -> int:
         aggregate(args.meta, args.steps_out, args.summary_out, args.cells_out)
         return 0
     return 1
-

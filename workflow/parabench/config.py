@@ -34,16 +34,36 @@ def model_spec(entry: dict) -> ModelSpec:
 def spec_for(config: dict, model: str, strategy: str, devices: int, repeat: int) -> RunSpec:
     entry = config["models"][model]
     pipe = config.get("pipeline", {})
-    optional = {k: config[k] for k in (
-        "steps", "warmup", "scaling", "accum_steps", "lr", "seed", "device", "timeout_s",
-        "data", "loader_workers", "peak_flops") if k in config}
+    optional = {
+        k: config[k]
+        for k in (
+            "steps",
+            "warmup",
+            "scaling",
+            "accum_steps",
+            "lr",
+            "seed",
+            "device",
+            "timeout_s",
+            "data",
+            "loader_workers",
+            "peak_flops",
+        )
+        if k in config
+    }
     if "microbatches" in pipe:
         optional["microbatches"] = pipe["microbatches"]
     if "schedule" in pipe:
         optional["schedule"] = pipe["schedule"]
-    return RunSpec(strategy=strategy, devices=devices, model_name=model,
-                   model=model_spec(entry), batch_size=entry["batch_size"], repeat=repeat,
-                   **optional)
+    return RunSpec(
+        strategy=strategy,
+        devices=devices,
+        model_name=model,
+        model=model_spec(entry),
+        batch_size=entry["batch_size"],
+        repeat=repeat,
+        **optional,
+    )
 
 
 def cells(config: dict) -> list[Cell]:
@@ -70,8 +90,9 @@ def problems(config: dict, workdir: Path | None = None) -> list[str]:
     for cell in cells(config):
         if cell.spec.repeat:  # repeats share every setting
             continue
-        for p in cell.spec.problems():
-            msg = f"models.{cell.spec.model_name} / {cell.spec.strategy} at devices={cell.spec.devices}: {p}"
+        s = cell.spec
+        for p in s.problems():
+            msg = f"models.{s.model_name} / {s.strategy} at devices={s.devices}: {p}"
             if msg not in seen:
                 seen.add(msg)
                 out.append(msg)

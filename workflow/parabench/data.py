@@ -44,8 +44,9 @@ class SyntheticBatches:
 
     timed_fetch = False
 
-    def __init__(self, model: Model, global_batch: int, seed: int, shard: Shard,
-                 device: torch.device) -> None:
+    def __init__(
+        self, model: Model, global_batch: int, seed: int, shard: Shard, device: torch.device
+    ) -> None:
         self.model, self.global_batch, self.seed = model, global_batch, seed
         self.shard, self.device = shard, device
         self.gen = torch.Generator(device=device)
@@ -79,8 +80,16 @@ class LoaderBatches:
 
     timed_fetch = True
 
-    def __init__(self, model: Model, global_batch: int, seed: int, shard: Shard,
-                 device: torch.device, workers: int, epoch_batches: int = 8) -> None:
+    def __init__(
+        self,
+        model: Model,
+        global_batch: int,
+        seed: int,
+        shard: Shard,
+        device: torch.device,
+        workers: int,
+        epoch_batches: int = 8,
+    ) -> None:
         per = global_batch // shard.count
         self.device = device
         self.dataset = SampleDataset(model, global_batch * epoch_batches, seed)
@@ -88,8 +97,12 @@ class LoaderBatches:
             self.dataset, num_replicas=shard.count, rank=shard.index, shuffle=True, seed=seed
         )
         self.loader = DataLoader(
-            self.dataset, batch_size=per, sampler=self.sampler, num_workers=workers,
-            pin_memory=device.type == "cuda", drop_last=True,
+            self.dataset,
+            batch_size=per,
+            sampler=self.sampler,
+            num_workers=workers,
+            pin_memory=device.type == "cuda",
+            drop_last=True,
             persistent_workers=workers > 0,
         )
         self.epoch = 0

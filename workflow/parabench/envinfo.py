@@ -14,9 +14,19 @@ import torch
 import torch.distributed as dist
 
 SLURM_VARS = (
-    "SLURM_JOB_ID", "SLURM_JOB_NAME", "SLURM_JOB_PARTITION", "SLURM_JOB_NODELIST",
-    "SLURM_NNODES", "SLURM_NTASKS", "SLURM_GPUS_ON_NODE", "SLURM_GPUS", "SLURM_GPUS_PER_NODE",
-    "SLURM_CPUS_PER_TASK", "SLURM_CPUS_ON_NODE", "SLURM_MEM_PER_NODE", "SLURM_CLUSTER_NAME",
+    "SLURM_JOB_ID",
+    "SLURM_JOB_NAME",
+    "SLURM_JOB_PARTITION",
+    "SLURM_JOB_NODELIST",
+    "SLURM_NNODES",
+    "SLURM_NTASKS",
+    "SLURM_GPUS_ON_NODE",
+    "SLURM_GPUS",
+    "SLURM_GPUS_PER_NODE",
+    "SLURM_CPUS_PER_TASK",
+    "SLURM_CPUS_ON_NODE",
+    "SLURM_MEM_PER_NODE",
+    "SLURM_CLUSTER_NAME",
 )
 
 
@@ -40,8 +50,11 @@ def git_commit(cwd: Path | None = None) -> str | None:
     if out.returncode != 0:
         return None
     dirty = subprocess.run(
-        ["git", "status", "--porcelain", "--untracked-files=no"], cwd=cwd,
-        capture_output=True, text=True, timeout=5,
+        ["git", "status", "--porcelain", "--untracked-files=no"],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=5,
     ).stdout.strip()
     return out.stdout.strip() + ("-dirty" if dirty else "")
 
@@ -81,7 +94,8 @@ def describe(device_type: str) -> dict:
         "cuda_device_count": torch.cuda.device_count() if cuda else 0,
         "device_names": (
             [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
-            if cuda else []
+            if cuda
+            else []
         ),
         "cpu_model": cpu_model(),
         "usable_cores": usable_cores(),

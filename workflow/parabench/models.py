@@ -6,6 +6,7 @@ the package treats all of them alike.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -13,6 +14,7 @@ import torch
 from torch import nn
 
 from parabench.spec import ModelSpec
+
 
 @dataclass
 class Model:
@@ -39,7 +41,7 @@ class Residual(nn.Module):
 
 def _linear_stack(dims: list[int], last: nn.Module | None) -> nn.Sequential:
     blocks: list[nn.Module] = []
-    for i, (a, b) in enumerate(zip(dims[:-1], dims[1:], strict=True)):
+    for i, (a, b) in enumerate(itertools.pairwise(dims)):
         is_last = i == len(dims) - 2
         act = last if is_last else nn.ReLU()
         blocks.append(nn.Sequential(nn.Linear(a, b), act) if act is not None else nn.Linear(a, b))

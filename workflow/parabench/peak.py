@@ -13,11 +13,17 @@ from collections.abc import Callable
 import torch
 
 
-def gemm_flops_per_s(device: torch.device, size: int | None = None, seconds: float = 0.3,
-                     sync: Callable[[], None] | None = None) -> float:
+def gemm_flops_per_s(
+    device: torch.device,
+    size: int | None = None,
+    seconds: float = 0.3,
+    sync: Callable[[], None] | None = None,
+) -> float:
     """Best achieved FLOP/s of `size`x`size` float32 matmuls over about `seconds`."""
     size = size or (8192 if device.type == "cuda" else 1024)
-    sync = sync or ((lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None))
+    sync = sync or (
+        (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    )
     a = torch.randn(size, size, device=device)
     b = torch.randn(size, size, device=device)
     out = torch.empty(size, size, device=device)

@@ -68,7 +68,9 @@ def write_meta(path: Path, meta: dict) -> None:
     if meta.get("status") not in STATUSES:
         raise ValueError(f"status must be one of {STATUSES}, got {meta.get('status')!r}")
     meta = {"schema_version": SCHEMA_VERSION, **meta}
-    atomic_write_bytes(path, (json.dumps(meta, indent=2, sort_keys=True, default=str) + "\n").encode())
+    atomic_write_bytes(
+        path, (json.dumps(meta, indent=2, sort_keys=True, default=str) + "\n").encode()
+    )
 
 
 def read_meta(path: Path) -> dict:

@@ -76,11 +76,13 @@ def start(spec: RunSpec) -> Context:
         backend = "nccl" if device.type == "cuda" else "gloo"
         timeout = timedelta(seconds=spec.timeout_s)
         if "MASTER_ADDR" in os.environ:
-            dist.init_process_group(backend, timeout=timeout, device_id=device
-                                    if device.type == "cuda" else None)
+            dist.init_process_group(
+                backend, timeout=timeout, device_id=device if device.type == "cuda" else None
+            )
         else:  # one rank started by hand (tests, n=1): an in-memory store suffices
-            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
-                                    timeout=timeout)
+            dist.init_process_group(
+                backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
+            )
         distributed = True
     return Context(rank, world, local_rank, device, threads, distributed)
 

@@ -101,7 +101,9 @@ class RunSpec:
         if self.scaling not in ("strong", "weak"):
             out.append(f"scaling: must be 'strong' or 'weak', got {self.scaling!r}")
         if self.schedule not in SCHEDULES:
-            out.append(f"pipeline.schedule: must be one of {list(SCHEDULES)}, got {self.schedule!r}")
+            out.append(
+                f"pipeline.schedule: must be one of {list(SCHEDULES)}, got {self.schedule!r}"
+            )
         if self.device not in ("auto", "cpu", "cuda"):
             out.append(f"device: must be auto, cpu or cuda, got {self.device!r}")
         if self.data not in ("synthetic", "dataloader"):
@@ -114,7 +116,11 @@ class RunSpec:
                 f"devices: {self.strategy} at {self.devices} devices needs {self.devices} stages "
                 f"but model {self.model_name!r} has only {self.model.n_blocks()} blocks"
             )
-        if self.strategy == "pipeline" and self.schedule == "1f1b" and self.microbatches < self.devices:
+        if (
+            self.strategy == "pipeline"
+            and self.schedule == "1f1b"
+            and self.microbatches < self.devices
+        ):
             out.append(
                 f"pipeline.microbatches: 1F1B needs micro-batches >= stages "
                 f"({self.microbatches} < {self.devices})"

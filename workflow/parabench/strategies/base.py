@@ -73,8 +73,9 @@ def sgd(params, spec: RunSpec) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=spec.lr)
 
 
-def train_step(module: nn.Module, loss_fn, opt: torch.optim.Optimizer, x: torch.Tensor,
-               y: torch.Tensor) -> torch.Tensor:
+def train_step(
+    module: nn.Module, loss_fn, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor
+) -> torch.Tensor:
     """Plain forward, backward, update: the baseline every strategy is measured against."""
     opt.zero_grad(set_to_none=True)
     loss = loss_fn(module(x), y)

@@ -13,7 +13,14 @@ from torch import nn
 from parabench.models import Model
 from parabench.runtime import Context
 from parabench.spec import RunSpec
-from parabench.strategies.base import Strategy, cpu_params, sgd, stage_cuts, stage_module, train_step
+from parabench.strategies.base import (
+    Strategy,
+    cpu_params,
+    sgd,
+    stage_cuts,
+    stage_module,
+    train_step,
+)
 
 
 class Staged(nn.Module):
@@ -36,8 +43,10 @@ class ModelParallel(Strategy):
     @classmethod
     def skip_reason(cls, spec: RunSpec, ctx: Context) -> str | None:
         if ctx.device.type == "cuda" and torch.cuda.device_count() < spec.devices:
-            return f"{spec.devices} stages need {spec.devices} CUDA devices; " \
-                   f"{torch.cuda.device_count()} visible"
+            return (
+                f"{spec.devices} stages need {spec.devices} CUDA devices; "
+                f"{torch.cuda.device_count()} visible"
+            )
         return None
 
     def __init__(self, model: Model, spec: RunSpec, ctx: Context) -> None:
@@ -62,8 +71,9 @@ class ModelParallel(Strategy):
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         # The labels must reach the last stage, where the loss is computed.
-        return train_step(self.module, self.loss_fn, self.opt, x,
-                          y.to(self._devices[-1], non_blocking=True))
+        return train_step(
+            self.module, self.loss_fn, self.opt, x, y.to(self._devices[-1], non_blocking=True)
+        )
 
     def full_state(self) -> dict[str, torch.Tensor]:
         out: dict[str, torch.Tensor] = {}

@@ -33,8 +33,10 @@ class Pipeline(Strategy):
     @classmethod
     def skip_reason(cls, spec: RunSpec, ctx: Context) -> str | None:
         if ctx.device.type == "cuda" and torch.cuda.device_count() <= ctx.local_rank:
-            return f"{spec.devices} stages need {spec.devices} CUDA devices; " \
-                   f"{torch.cuda.device_count()} visible"
+            return (
+                f"{spec.devices} stages need {spec.devices} CUDA devices; "
+                f"{torch.cuda.device_count()} visible"
+            )
         return None
 
     def __init__(self, model: Model, spec: RunSpec, ctx: Context) -> None:
@@ -59,10 +61,17 @@ class Pipeline(Strategy):
         self.module = cpu_stage.to(ctx.device)
         self.opt = sgd(self.module.parameters(), spec)
         example_in = example_in.to(ctx.device).requires_grad_(not self.first)
-        stage = PipelineStage(self.module, r, n, ctx.device, input_args=(example_in,),
-                              output_args=(example_out.to(ctx.device).requires_grad_(True),))
-        self.schedule = SCHEDULES[spec.schedule](stage, n_microbatches=spec.microbatches,
-                                                 loss_fn=self.loss_fn)
+        stage = PipelineStage(
+            self.module,
+            r,
+            n,
+            ctx.device,
+            input_args=(example_in,),
+            output_args=(example_out.to(ctx.device).requires_grad_(True),),
+        )
+        self.schedule = SCHEDULES[spec.schedule](
+            stage, n_microbatches=spec.microbatches, loss_fn=self.loss_fn
+        )
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         self.opt.zero_grad(set_to_none=True)
