@@ -16,7 +16,6 @@ import torch
 
 from parabench import envinfo, records, runtime, strategies
 from parabench.data import LoaderBatches, SyntheticBatches
-from parabench.flops import step_flops
 from parabench.loop import all_ranks, measure, peak_memory
 from parabench.models import build
 from parabench.peak import gemm_flops_per_s
@@ -96,7 +95,6 @@ def run_cell(spec: RunSpec, out: Path) -> int:
 
 def _run(spec: RunSpec, ctx: runtime.Context, out: Path, common: dict, t_start: float) -> None:
     model = build(spec.model, spec.seed)
-    flops = step_flops(model, spec.global_batch)  # on meta tensors, before placement
     strategy = strategies.get(spec.strategy)(model, spec, ctx)
 
     batch_args = (model, spec.global_batch, spec.seed, strategy.shard, strategy.data_device)
@@ -157,7 +155,6 @@ def _run(spec: RunSpec, ctx: runtime.Context, out: Path, common: dict, t_start: 
             **common,
             "emulated": strategy.emulated,
             "stage_cuts": strategy.stage_cuts,
-            "flops_per_step": flops,
             "peak_flops_per_device": peak_device,
             "peak_flops_total": sum(r["peak_flops"] for r in per_rank),
             "peak_flops_source": "config" if spec.peak_flops else "measured GEMM",

@@ -57,6 +57,26 @@ def _spec_from(args: argparse.Namespace) -> RunSpec:
     return RunSpec(model=model, **{f.name: getattr(args, f.name) for f in _SPEC_FIELDS})
 
 
+def record_static_skip(spec: RunSpec, out: Path, reason: str) -> int:
+    """Record a skip known from the settings alone, without importing torch."""
+    from parabench import envinfo, records
+
+    records.write_outcome(
+        out,
+        "skipped",
+        reason,
+        model=spec.model_name,
+        strategy=spec.strategy,
+        devices=spec.devices,
+        repeat=spec.repeat,
+        spec=spec.to_dict(),
+        config_hash=spec.config_hash(),
+        env=envinfo.base(),
+        device_type=spec.device,
+    )
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="parabench", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -71,10 +91,13 @@ def main(argv: list[str] | None = None) -> int:
     agg.add_argument("--summary-out", type=Path, required=True)
     agg.add_argument("--cells-out", type=Path, required=True)
 
+    grd = sub.add_parser("guard", help="run a launch command; record a failure if it leaves none")
+    grd.add_argument("--out", type=Path, required=True, help="the cell directory")
+    grd.add_argument("--timeout", type=float, required=True, help="wall-clock limit, seconds")
+    grd.add_argument("cmd", nargs=argparse.REMAINDER, help="-- then the launch command")
+
     args = parser.parse_args(argv)
     if args.command == "run":
-        from parabench.cell import run_cell
-
         try:
             spec = _spec_from(args)
         except ValueError as e:
@@ -83,7 +106,18 @@ def main(argv: list[str] | None = None) -> int:
         if problems := spec.problems():
             print("parabench: invalid cell: " + "; ".join(problems), file=sys.stderr)
             return 2
+        if reason := spec.static_skip_reason():
+            return record_static_skip(spec, args.out, reason)
+        from parabench.cell import run_cell
+
         return run_cell(spec, args.out)
+    if args.command == "guard":
+        from parabench.guard import guard, identity_from
+
+        cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
+        if not cmd:
+            parser.error("guard needs a command after --")
+        return guard(args.out, cmd, args.timeout, identity_from(cmd))
     if args.command == "aggregate":
         from parabench.aggregate import aggregate
 

@@ -10,9 +10,6 @@ import sys
 from datetime import datetime, timezone
 from pathlib import Path
 
-import torch
-import torch.distributed as dist
-
 SLURM_VARS = (
     "SLURM_JOB_ID",
     "SLURM_JOB_NAME",
@@ -79,12 +76,29 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
-def describe(device_type: str) -> dict:
-    cuda = torch.cuda.is_available()
-    env = {
+def base() -> dict:
+    """What is known without importing torch."""
+    return {
         "host": socket.gethostname(),
         "platform": platform.platform(),
         "python": platform.python_version(),
+        "cpu_model": cpu_model(),
+        "usable_cores": usable_cores(),
+        "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+        "slurm": {k: os.environ[k] for k in SLURM_VARS if k in os.environ},
+        "git_commit": git_commit(),
+        "launch_command": launch_command(),
+        "start_time": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def describe(device_type: str) -> dict:
+    import torch  # here, not at the top: base() serves torch-free callers
+    import torch.distributed as dist
+
+    cuda = torch.cuda.is_available()
+    return {
+        **base(),
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
         "cudnn": torch.backends.cudnn.version() if cuda else None,
@@ -97,13 +111,5 @@ def describe(device_type: str) -> dict:
             if cuda
             else []
         ),
-        "cpu_model": cpu_model(),
-        "usable_cores": usable_cores(),
         "torch_threads": torch.get_num_threads(),
-        "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
-        "slurm": {k: os.environ[k] for k in SLURM_VARS if k in os.environ},
-        "git_commit": git_commit(),
-        "launch_command": launch_command(),
-        "start_time": datetime.now(timezone.utc).isoformat(timespec="seconds"),
     }
-    return env

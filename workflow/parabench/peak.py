@@ -16,7 +16,7 @@ import torch
 def gemm_flops_per_s(
     device: torch.device,
     size: int | None = None,
-    seconds: float = 0.3,
+    seconds: float = 0.1,
     sync: Callable[[], None] | None = None,
 ) -> float:
     """Best achieved FLOP/s of `size`x`size` float32 matmuls over about `seconds`."""

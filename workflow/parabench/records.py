@@ -73,6 +73,12 @@ def write_meta(path: Path, meta: dict) -> None:
     )
 
 
+def write_outcome(out: Path, status: str, reason: str, **fields) -> None:
+    """A record without steps (skipped or failed): empty steps.csv, then meta.json."""
+    write_steps(out / "steps.csv", [])
+    write_meta(out / "meta.json", {"status": status, "reason": reason, **fields})
+
+
 def read_meta(path: Path) -> dict:
     """Load and check one meta.json; raise ResultsError naming the file if untrustworthy."""
     try:

@@ -141,6 +141,16 @@ class RunSpec:
                 return [f"batch_size: global batch {b} is not divisible by {what}"]
         return []
 
+    def static_skip_reason(self) -> str | None:
+        """A skip knowable from the settings alone, so no process need import torch to
+        find out. Runtime checks (CUDA devices visible) live in each strategy."""
+        if self.strategy == "dp" and self.devices > 1 and self.device == "cpu":
+            return (
+                f"nn.DataParallel needs {self.devices} CUDA devices; on CPU it silently runs "
+                "a single copy, so no honest multi-device number exists"
+            )
+        return None
+
     def to_dict(self) -> dict:
         d = asdict(self)
         d["model"] = {"arch": self.model.arch, **dict(self.model.sizes)}

@@ -7,6 +7,8 @@ asking for n>1 devices there is skipped, never timed under a "DataParallel" labe
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 from torch import nn
 
@@ -23,11 +25,8 @@ class DataParallel(Strategy):
     def skip_reason(cls, spec: RunSpec, ctx: Context) -> str | None:
         if spec.devices == 1:
             return None
-        if ctx.device.type != "cuda":
-            return (
-                f"nn.DataParallel needs {spec.devices} CUDA devices; on CPU it silently runs "
-                "a single copy, so no honest multi-device number exists"
-            )
+        if ctx.device.type != "cuda":  # device "auto" that found no GPU
+            return replace(spec, device="cpu").static_skip_reason()
         have = torch.cuda.device_count()
         if have < spec.devices:
             return f"nn.DataParallel needs {spec.devices} CUDA devices; {have} visible"

@@ -1,0 +1,152 @@
+"""Run a cell's launch command so that its outcome is always recorded.
+
+The workflow wraps every launch: `parabench guard --out DIR --timeout S -- torchrun ...`.
+- The cell wrote meta.json (ok, skipped, or a failure rank 0 caught): keep it, exit 0.
+- It died without one (a rank killed, rank 0 crashed, torchrun failed): record `failed`
+  with the exit status and the last error line of its output, exit 0.
+- It ran past the timeout (a hang outside any collective timeout): kill its whole
+  process group, record `failed` with the timeout, exit 0.
+- The guard itself is interrupted (Ctrl-C, scancel, Snakemake stopping): pass the signal
+  on, record nothing, exit non-zero, so the cell is rerun next time rather than
+  remembered as a failure.
+Exit 0 on a recorded failure lets the sweep go on; the failure lives in the results.
+
+Torch-free on purpose: it starts in a few milliseconds and survives a broken torch.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from parabench import envinfo, records
+
+_ERROR_LINE = re.compile(r"(Error|Exception|error:|Killed|Traceback)")
+# torchrun's own epilogue repeats the failure; the rank's error line says more.
+_NOISE = re.compile(r"ChildFailedError|elastic|^\s*(raise|File |\^)")
+
+
+def last_error(lines: list[str]) -> str:
+    for line in reversed(lines):
+        if _ERROR_LINE.search(line) and not _NOISE.search(line):
+            return line.strip()[:500]
+    return lines[-1].strip()[:500] if lines else ""
+
+
+def _describe_exit(rc: int) -> str:
+    if rc < 0:
+        return f"killed by signal {signal.Signals(-rc).name}"
+    return f"exit code {rc}"
+
+
+def guard(out: Path, cmd: list[str], timeout_s: float, identity: dict) -> int:
+    meta = out / "meta.json"
+    meta.unlink(missing_ok=True)  # a stale record must not pass for this launch's
+    tail: collections.deque[str] = collections.deque(maxlen=200)
+    started = time.monotonic()
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        errors="replace",
+        start_new_session=True,
+    )
+
+    interrupted: list[int] = []
+
+    def forward(signum, _frame) -> None:
+        interrupted.append(signum)
+        _kill_group(proc, signal.SIGTERM)
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, forward)
+
+    timed_out = False
+    deadline = started + timeout_s
+    assert proc.stdout is not None
+    os.set_blocking(proc.stdout.fileno(), False)
+    while True:
+        line = proc.stdout.readline()
+        if line:
+            sys.stdout.write(line)
+            tail.append(line.rstrip("\n"))
+            continue
+        if proc.poll() is not None:
+            break
+        if time.monotonic() > deadline and not timed_out:
+            timed_out = True
+            _kill_group(proc, signal.SIGTERM)
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                _kill_group(proc, signal.SIGKILL)
+        time.sleep(0.05)
+    rest = proc.stdout.read() or ""
+    sys.stdout.write(rest)
+    tail.extend(rest.splitlines())
+    rc = proc.wait()
+    sys.stdout.flush()
+    elapsed = time.monotonic() - started
+
+    if interrupted:
+        print(
+            f"parabench guard: interrupted by {signal.Signals(interrupted[0]).name}; "
+            "nothing recorded, the cell will rerun",
+            file=sys.stderr,
+        )
+        return 128 + interrupted[0]
+    if timed_out:
+        reason = f"timed out after {timeout_s:g} s (cell_timeout_s); killed"
+    elif meta.exists():
+        try:
+            records.read_meta(meta)
+            return 0
+        except records.ResultsError as e:
+            reason = f"cell wrote an invalid record: {e}"
+    else:
+        reason = f"launcher {_describe_exit(rc)} without a record"
+        if err := last_error(list(tail)):
+            reason += f"; last error: {err}"
+    records.write_outcome(
+        out,
+        "failed",
+        reason,
+        **identity,
+        elapsed_s=round(elapsed, 3),
+        exit_code=rc,
+        env={**envinfo.base(), "launch_command": cmd},
+        log_tail=list(tail)[-30:],
+    )
+    print(f"parabench guard: recorded failure: {reason}", file=sys.stderr)
+    return 0
+
+
+def _kill_group(proc: subprocess.Popen, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, sig)
+
+
+def identity_from(args: list[str]) -> dict:
+    """model/strategy/devices/repeat from the wrapped `parabench run` arguments."""
+
+    def value(flag: str) -> str | None:
+        return args[args.index(flag) + 1] if flag in args[:-1] else None
+
+    ident = {
+        "model": value("--model-name"),
+        "strategy": value("--strategy"),
+        "devices": value("--devices"),
+        "repeat": value("--repeat") or "0",
+    }
+    for k in ("devices", "repeat"):
+        if ident[k] is not None:
+            ident[k] = int(ident[k])
+    return ident

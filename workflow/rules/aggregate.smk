@@ -1,0 +1,17 @@
+# Merge every configured cell's records with pandas. Reads only the cells of this config,
+# so stale directories from an older config never leak into the tables.
+
+
+rule aggregate:
+    input:
+        meta=[f"{cell_dir(path)}/meta.json" for path in CELLS],
+        steps=[f"{cell_dir(path)}/steps.csv" for path in CELLS],
+    output:
+        steps=f"{RESULTS}/steps.csv",
+        cells=f"{RESULTS}/cells.csv",
+        summary=f"{RESULTS}/summary.csv",
+    log:
+        "logs/aggregate.log",
+    shell:
+        "parabench aggregate --meta {input.meta:q} --steps-out {output.steps:q} "
+        "--cells-out {output.cells:q} --summary-out {output.summary:q} > {log:q} 2>&1"

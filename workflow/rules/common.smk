@@ -1,0 +1,46 @@
+# Helpers shared by the rules: the cell table and each cell's command line, built by the
+# parabench package (torch-free modules) so the workflow and `parabench run` agree.
+import shlex
+from pathlib import Path
+
+from snakemake.exceptions import WorkflowError
+
+from parabench.catalog import STRATEGIES, uses_torchrun
+from parabench.cli import spec_argv
+from parabench.config import cells, problems
+
+RESULTS = config["results"]
+
+# Rules the schema cannot express: one message per broken rule, naming the key, before
+# any job starts.
+_problems = problems(config, Path.cwd())
+if _problems:
+    raise WorkflowError("invalid config:\n  - " + "\n  - ".join(_problems))
+
+CELLS = {cell.path: cell for cell in cells(config)}
+
+
+def cell_dir(path):
+    return f"{RESULTS}/{path}"
+
+
+def _cell(wc):
+    return CELLS[f"runs/{wc.model}/{wc.strategy}/n{wc.devices}/r{wc.repeat}"]
+
+
+def run_args(wc):
+    """`parabench run` flags of the cell, shell-quoted: config values never reach the
+    shell unquoted."""
+    return shlex.join(spec_argv(_cell(wc).spec))
+
+
+def launcher(wc):
+    """torchrun for strategies with one rank per device, plain python otherwise."""
+    n = int(wc.devices)
+    if uses_torchrun(wc.strategy, n):
+        return f"torchrun --standalone --nnodes 1 --nproc-per-node {n} -m parabench"
+    return "python -m parabench"
+
+
+def gpus(wc):
+    return 0 if config["device"] == "cpu" else int(wc.devices)

@@ -1,0 +1,24 @@
+# The shareable report: one self-contained HTML file (plots inline, no network).
+import json
+
+
+rule report:
+    input:
+        summary=f"{RESULTS}/summary.csv",
+        cells=f"{RESULTS}/cells.csv",
+        steps=f"{RESULTS}/steps.csv",
+        templates=directory("report"),
+    output:
+        f"{RESULTS}/report.html",
+    log:
+        "logs/report.log",
+    params:
+        config=json.dumps(config, sort_keys=True),
+    shell:
+        "parabench report --results {RESULTS:q} --templates {input.templates:q} "
+        "--config-json {params.config:q} --out {output:q} > {log:q} 2>&1"
+
+
+localrules:
+    aggregate,
+    report,
