@@ -91,6 +91,12 @@ def main(argv: list[str] | None = None) -> int:
     agg.add_argument("--summary-out", type=Path, required=True)
     agg.add_argument("--cells-out", type=Path, required=True)
 
+    rep = sub.add_parser("report", help="render report.html from the aggregated tables")
+    rep.add_argument("--results", type=Path, required=True, help="directory with summary.csv")
+    rep.add_argument("--templates", type=Path, required=True, help="the report/ directory")
+    rep.add_argument("--config-json", default="", help="the workflow config, as JSON")
+    rep.add_argument("--out", type=Path, required=True)
+
     grd = sub.add_parser("guard", help="run a launch command; record a failure if it leaves none")
     grd.add_argument("--out", type=Path, required=True, help="the cell directory")
     grd.add_argument("--timeout", type=float, required=True, help="wall-clock limit, seconds")
@@ -118,6 +124,11 @@ def main(argv: list[str] | None = None) -> int:
         if not cmd:
             parser.error("guard needs a command after --")
         return guard(args.out, cmd, args.timeout, identity_from(cmd))
+    if args.command == "report":
+        from parabench.report import load_config, render
+
+        render(args.results, args.templates, load_config(args.config_json), args.out)
+        return 0
     if args.command == "aggregate":
         from parabench.aggregate import aggregate
 

@@ -35,6 +35,15 @@ STEP_COLUMNS: dict[str, str] = {
 META_KEYS = ("schema_version", "status", "reason", "model", "strategy", "devices", "repeat")
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+_UMASK = _umask()
+
+
 class ResultsError(ValueError):
     """A results file that cannot be trusted (corrupt, wrong schema); names the file."""
 
@@ -45,6 +54,7 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        os.fchmod(fd, 0o666 & ~_UMASK)  # mkstemp's 0600 would keep a shared report private
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()

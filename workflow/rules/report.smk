@@ -7,15 +7,16 @@ rule report:
         summary=f"{RESULTS}/summary.csv",
         cells=f"{RESULTS}/cells.csv",
         steps=f"{RESULTS}/steps.csv",
-        templates=directory("report"),
+        templates=sorted(str(p) for p in Path("report").rglob("*") if p.is_file()),
     output:
         f"{RESULTS}/report.html",
     log:
         "logs/report.log",
     params:
         config=json.dumps(config, sort_keys=True),
+        results=RESULTS,
     shell:
-        "parabench report --results {RESULTS:q} --templates {input.templates:q} "
+        "parabench report --results {params.results:q} --templates report "
         "--config-json {params.config:q} --out {output:q} > {log:q} 2>&1"
 
 

@@ -1,0 +1,41 @@
+# The two commands of the README. Each sets up what it needs in .venv first.
+#   make run     the default pipeline (config/config.yaml: a small CPU run)
+#   make test    lint + the test suite
+# GPU users: install your CUDA build of torch into .venv first and run with TORCH=
+# (empty), e.g.  python3 -m venv .venv && .venv/bin/pip install torch && make run TORCH=
+VENV   ?= .venv
+PYTHON ?= python3
+# Pinned: this version is the CPU wheel on our machines. A bare `torch` pulls a
+# multi-GB CUDA build.
+TORCH  ?= torch==2.13.0
+CORES  ?= 1
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.parabench-installed
+
+.PHONY: run test lint bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(if $(TORCH),$(BIN)/python -m pip install -q "$(TORCH)")
+	$(BIN)/python -m pip install -q -e ".[workflow,dev]"
+	touch $@
+
+run: $(STAMP)
+	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/snakemake --cores $(CORES)
+	@echo "report: results/report.html"
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/snakemake --lint
+
+test: $(STAMP) lint
+	tests/setup-system.sh
+	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python -m pytest -q -ra
+
+bench: $(STAMP)
+	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python benchmarks/single_overhead.py
+	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python benchmarks/pipeline_wall.py
+
+clean:
+	rm -rf results logs .snakemake

@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# System packages the tests use: Debian's headless Chromium (report test). Installed when
+# missing and we are root (CI, a fresh machine); otherwise the tests that need them say
+# so and skip, except in CI (CI=true), where a missing tool fails the test.
+set -euo pipefail
+need=()
+command -v chromium >/dev/null || need+=(chromium)
+if ((${#need[@]})); then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    echo "installing ${need[*]} (Debian packages) for the tests"
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}" >/dev/null
+  else
+    echo "note: ${need[*]} missing and not root; tests needing them will skip" >&2
+  fi
+fi
