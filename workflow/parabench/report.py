@@ -18,14 +18,14 @@ import matplotlib
 
 matplotlib.use("Agg")  # no display; set before pyplot is imported
 
-import jinja2  # noqa: E402
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
-import pandas as pd  # noqa: E402
-import seaborn as sns  # noqa: E402
-import yaml  # noqa: E402
+import jinja2
+import matplotlib.pyplot as plt
+import numpy as np
+import pandas as pd
+import seaborn as sns
+import yaml
 
-from parabench.catalog import STRATEGIES  # noqa: E402
+from parabench.catalog import STRATEGIES
 
 LABELS = {
     "single": "single device",
@@ -47,8 +47,12 @@ class Results:
 
     @classmethod
     def load(cls, results: Path) -> Results:
-        return cls(*(pd.read_csv(results / f"{n}.csv", keep_default_na=True)
-                     for n in ("summary", "cells", "steps")))
+        return cls(
+            *(
+                pd.read_csv(results / f"{n}.csv", keep_default_na=True)
+                for n in ("summary", "cells", "steps")
+            )
+        )
 
 
 def _png(fig) -> str:
@@ -90,46 +94,101 @@ def plots(r: Results) -> dict[str, str]:
             sub = ok[ok["model"] == model]
             if ideal is not None:
                 ax.plot(devices, [ideal(n) for n in devices], "k--", lw=1, label="ideal")
-            sns.lineplot(data=sub, x="devices", y=y, hue="strategy", hue_order=order,
-                         palette=palette, marker="o", ax=ax, legend=ax is axes[0][0])
+            sns.lineplot(
+                data=sub,
+                x="devices",
+                y=y,
+                hue="strategy",
+                hue_order=order,
+                palette=palette,
+                marker="o",
+                ax=ax,
+                legend=ax is axes[0][0],
+            )
             if y in reps:
-                sns.stripplot(data=reps[reps["model"] == model], x="devices", y=y,
-                              hue="strategy", hue_order=order, palette=palette, ax=ax,
-                              native_scale=True, legend=False, alpha=0.6, size=4, jitter=0.08)
+                sns.stripplot(
+                    data=reps[reps["model"] == model],
+                    x="devices",
+                    y=y,
+                    hue="strategy",
+                    hue_order=order,
+                    palette=palette,
+                    ax=ax,
+                    native_scale=True,
+                    legend=False,
+                    alpha=0.6,
+                    size=4,
+                    jitter=0.08,
+                )
             ax.set(title=f"{title} — {model}", xlabel="devices", ylabel=ylabel, xticks=devices)
             if logy:
                 ax.set_yscale("log")
         if axes[0][0].get_legend():
-            sns.move_legend(axes[0][0], "upper left", bbox_to_anchor=(0, -0.18), ncol=4,
-                            frameon=False, title=None)
+            sns.move_legend(
+                axes[0][0],
+                "upper left",
+                bbox_to_anchor=(0, -0.18),
+                ncol=4,
+                frameon=False,
+                title=None,
+            )
         return _png(fig)
 
     out["speedup"] = per_model("Speedup vs one device", "speedup", "speedup (×)", ideal=float)
-    out["efficiency"] = per_model("Scaling efficiency", "efficiency", "speedup / devices",
-                                  ideal=lambda n: 1.0)
+    out["efficiency"] = per_model(
+        "Scaling efficiency", "efficiency", "speedup / devices", ideal=lambda n: 1.0
+    )
     out["throughput"] = per_model("Throughput", "throughput", "samples / s")
 
     timed = r.steps[r.steps["phase"] == "timed"].copy()
     if not timed.empty:
         timed["cell"] = timed["strategy"] + " ×" + timed["devices"].astype(str)
-        cell_order = [f"{s} ×{n}" for s in order for n in devices
-                      if f"{s} ×{n}" in set(timed["cell"])]
-        g = sns.catplot(data=timed, kind="box", x="step_time_s", y="cell", col="model",
-                        order=cell_order, hue="strategy", hue_order=order, palette=palette,
-                        height=0.32 * len(cell_order) + 1.5, aspect=1.6, legend=False,
-                        sharex=False, fliersize=2)
+        cell_order = [
+            f"{s} ×{n}" for s in order for n in devices if f"{s} ×{n}" in set(timed["cell"])
+        ]
+        g = sns.catplot(
+            data=timed,
+            kind="box",
+            x="step_time_s",
+            y="cell",
+            col="model",
+            order=cell_order,
+            hue="strategy",
+            hue_order=order,
+            palette=palette,
+            height=0.32 * len(cell_order) + 1.5,
+            aspect=1.6,
+            legend=False,
+            sharex=False,
+            fliersize=2,
+        )
         g.set_axis_labels("step time (s), every timed step of every repeat", "")
         g.set_titles("Step-time distribution — {col_name}")
         out["step_times"] = _png(g.figure)
 
-    bars = ok.assign(cell=ok["strategy"] + " ×" + ok["devices"].astype(str),
-                     peak_memory_mib=ok["peak_memory_bytes"] / 2**20,
-                     mfu_pct=100 * ok["mfu"])
-    for key, col, label in (("memory", "peak_memory_mib", "peak memory per device (MiB)"),
-                            ("mfu", "mfu_pct", "MFU (% of measured peak)")):
-        g = sns.catplot(data=bars, kind="bar", x=col, y="cell", col="model", hue="strategy",
-                        hue_order=order, palette=palette, legend=False, sharex=False,
-                        height=0.32 * bars["cell"].nunique() + 1.5, aspect=1.6)
+    bars = ok.assign(
+        cell=ok["strategy"] + " ×" + ok["devices"].astype(str),
+        peak_memory_mib=ok["peak_memory_bytes"] / 2**20,
+        mfu_pct=100 * ok["mfu"],
+    )
+    for key, col, label in (
+        ("memory", "peak_memory_mib", "peak memory per device (MiB)"),
+        ("mfu", "mfu_pct", "MFU (% of measured peak)"),
+    ):
+        g = sns.catplot(
+            data=bars,
+            kind="bar",
+            x=col,
+            y="cell",
+            col="model",
+            hue="strategy",
+            hue_order=order,
+            palette=palette,
+            legend=False,
+            sharex=False,
+            height=0.32 * bars["cell"].nunique() + 1.5,
+            aspect=1.6,
+        )
         g.set_axis_labels(label, "")
         g.set_titles("{col_name}")
         out[key] = _png(g.figure)
@@ -160,31 +219,53 @@ def headlines(summary: pd.DataFrame) -> list[dict]:
             if best["speedup"] >= 1:
                 lead = f"{_fmt_x(best['speedup'])} the throughput of one device"
             else:
-                lead = (f"only {_fmt_x(best['speedup'])} the throughput of one device, "
-                        "slower than not parallelising at all")
-            text = (f"At {n} devices, the fastest was {name}: {lead} "
-                    f"({best['efficiency']:.0%} scaling efficiency)")
-            others = [f"{LABELS.get(r['strategy'], r['strategy'])} {_fmt_x(r['speedup'])}"
-                      for _, r in rows.iloc[1:].iterrows()]
+                lead = (
+                    f"only {_fmt_x(best['speedup'])} the throughput of one device, "
+                    "slower than not parallelising at all"
+                )
+            text = (
+                f"At {n} devices, the fastest was {name}: {lead} "
+                f"({best['efficiency']:.0%} scaling efficiency)"
+            )
+            others = [
+                f"{LABELS.get(r['strategy'], r['strategy'])} {_fmt_x(r['speedup'])}"
+                for _, r in rows.iloc[1:].iterrows()
+            ]
             if others:
                 text += "; then " + ", ".join(others)
             text += "."
             if emulated:
                 text += f" Not ranked: {', '.join(emulated)} (stages emulated on one device)."
-            out.append({"model": model, "devices": int(n), "text": text,
-                        "strategy": best["strategy"], "speedup": float(best["speedup"]),
-                        "efficiency": float(best["efficiency"])})
+            out.append(
+                {
+                    "model": model,
+                    "devices": int(n),
+                    "text": text,
+                    "strategy": best["strategy"],
+                    "speedup": float(best["speedup"]),
+                    "efficiency": float(best["efficiency"]),
+                }
+            )
     return out
 
 
 def environment(cells: pd.DataFrame) -> list[tuple[str, str]]:
     """Distinct values of each environment column over all cells."""
-    cols = [("host", "host"), ("device_type", "device type"), ("device_names", "devices"),
-            ("cpu_model", "CPU"), ("torch", "torch"), ("cuda", "CUDA"), ("nccl", "NCCL"),
-            ("python", "Python"), ("git_commit", "git commit"),
-            ("config_hash", "config hash"), ("slurm_job_id", "Slurm job ids"),
-            ("gpus_given", "GPUs Slurm gave (SLURM_GPUS_ON_NODE)"),
-            ("cuda_visible_devices", "CUDA_VISIBLE_DEVICES")]
+    cols = [
+        ("host", "host"),
+        ("device_type", "device type"),
+        ("device_names", "devices"),
+        ("cpu_model", "CPU"),
+        ("torch", "torch"),
+        ("cuda", "CUDA"),
+        ("nccl", "NCCL"),
+        ("python", "Python"),
+        ("git_commit", "git commit"),
+        ("config_hash", "config hash"),
+        ("slurm_job_id", "Slurm job ids"),
+        ("gpus_given", "GPUs Slurm gave (SLURM_GPUS_ON_NODE)"),
+        ("cuda_visible_devices", "CUDA_VISIBLE_DEVICES"),
+    ]
     out = []
     for col, label in cols:
         if col not in cells:
@@ -217,8 +298,9 @@ def build_context(r: Results, config: dict) -> dict:
         "problems": r.cells[r.cells["status"] != "ok"].to_dict("records"),
         "environment": environment(r.cells),
         "config_yaml": yaml.safe_dump(config, sort_keys=False),
-        "launches": r.cells[["model", "strategy", "devices", "repeat", "status",
-                             "launch_command"]].to_dict("records"),
+        "launches": r.cells[
+            ["model", "strategy", "devices", "repeat", "status", "launch_command"]
+        ].to_dict("records"),
         "n_cells": len(r.cells),
         "n_ok": int((r.cells["status"] == "ok").sum()),
         "timed_steps": int((r.steps["phase"] == "timed").sum()) if len(r.steps) else 0,
@@ -239,8 +321,7 @@ def _filters(env: jinja2.Environment) -> None:
     env.filters["x"] = lambda v: num(v, "{:.2f}×")
     env.filters["pct"] = lambda v: num(v, "{:.0%}")
     env.filters["ms"] = lambda v: num(v * 1e3 if isinstance(v, int | float) else v, "{:.2f} ms")
-    env.filters["mib"] = lambda v: num(v / 2**20 if isinstance(v, int | float) else v,
-                                       "{:.0f} MiB")
+    env.filters["mib"] = lambda v: num(v / 2**20 if isinstance(v, int | float) else v, "{:.0f} MiB")
     env.filters["sci"] = lambda v: num(v, "{:.1e}")
     env.filters["anchor"] = lambda row: f"row-{row['model']}-{row['strategy']}-{row['devices']}"
 
@@ -252,7 +333,8 @@ def render(results: Path, templates: Path, config: dict, out: Path) -> None:
         loader=jinja2.FileSystemLoader(templates),
         autoescape=True,  # every string from results or config is escaped
         undefined=jinja2.StrictUndefined,
-        trim_blocks=True, lstrip_blocks=True,
+        trim_blocks=True,
+        lstrip_blocks=True,
     )
     _filters(env)
     ctx = build_context(Results.load(results), config)

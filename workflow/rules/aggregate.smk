@@ -10,6 +10,8 @@ rule aggregate:
         steps=f"{RESULTS}/steps.csv",
         cells=f"{RESULTS}/cells.csv",
         summary=f"{RESULTS}/summary.csv",
+    conda:
+        "../envs/parabench.yaml"
     log:
         "logs/aggregate.log",
     shell:

@@ -7,6 +7,8 @@ rule benchmark:
     output:
         meta=f"{RESULTS}/runs/{{model}}/{{strategy}}/n{{devices}}/r{{repeat}}/meta.json",
         steps=f"{RESULTS}/runs/{{model}}/{{strategy}}/n{{devices}}/r{{repeat}}/steps.csv",
+    conda:
+        "../envs/parabench.yaml"
     log:
         "logs/runs/{model}/{strategy}/n{devices}/r{repeat}.log",
     benchmark:

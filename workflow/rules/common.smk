@@ -10,6 +10,8 @@ from parabench.cli import spec_argv
 from parabench.config import cells, problems
 
 RESULTS = config["results"]
+# The repository (where report/ lives), whatever the working directory is.
+REPO = Path(workflow.basedir)
 
 # Rules the schema cannot express: one message per broken rule, naming the key, before
 # any job starts.

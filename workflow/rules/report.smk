@@ -7,16 +7,19 @@ rule report:
         summary=f"{RESULTS}/summary.csv",
         cells=f"{RESULTS}/cells.csv",
         steps=f"{RESULTS}/steps.csv",
-        templates=sorted(str(p) for p in Path("report").rglob("*") if p.is_file()),
+        templates=sorted(str(p) for p in (REPO / "report").rglob("*") if p.is_file()),
     output:
         f"{RESULTS}/report.html",
+    conda:
+        "../envs/parabench.yaml"
     log:
         "logs/report.log",
     params:
         config=json.dumps(config, sort_keys=True),
-        results=RESULTS,
+        results=lambda wc, input: Path(input.summary).parent,
+        templates=REPO / "report",
     shell:
-        "parabench report --results {params.results:q} --templates report "
+        "parabench report --results {params.results:q} --templates {params.templates:q} "
         "--config-json {params.config:q} --out {output:q} > {log:q} 2>&1"
 
 

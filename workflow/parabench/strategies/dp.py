@@ -23,9 +23,7 @@ class DataParallel(Strategy):
 
     @classmethod
     def skip_reason(cls, spec: RunSpec, ctx: Context) -> str | None:
-        if spec.devices == 1:
-            return None
-        if ctx.device.type != "cuda":  # device "auto" that found no GPU
+        if ctx.device.type != "cuda":  # also device "auto" that found no GPU
             return replace(spec, device="cpu").static_skip_reason()
         have = torch.cuda.device_count()
         if have < spec.devices:

@@ -1,0 +1,90 @@
+"""Shared test helpers: launching real cells (torchrun ranks where the strategy has them)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from parabench.catalog import uses_torchrun
+from parabench.cli import spec_argv
+from parabench.spec import ModelSpec, RunSpec
+
+REPO = Path(__file__).resolve().parents[1]
+# Small enough for 2 cores, deep enough (6 blocks) to cut into 4 stages.
+TINY_MLP = ModelSpec.of("mlp", dims=[48, 32, 24, 16, 8, 4, 1])
+
+
+def tiny_spec(strategy: str, devices: int, **kw) -> RunSpec:
+    opts = {
+        "model_name": "tiny",
+        "model": TINY_MLP,
+        "batch_size": 64,
+        "steps": 6,
+        "warmup": 1,
+        "device": "cpu",
+        "timeout_s": 60.0,
+        **kw,
+    }
+    return RunSpec(strategy=strategy, devices=devices, **opts)
+
+
+def launch_argv(spec: RunSpec, out: Path) -> list[str]:
+    """The command the workflow would run for this cell, with this interpreter."""
+    if uses_torchrun(spec.strategy, spec.devices):
+        head = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            str(spec.devices),
+        ]
+    else:
+        head = [sys.executable]
+    return [*head, "-m", "parabench", "run", *spec_argv(spec), "--out", str(out)]
+
+
+def run_cell(
+    spec: RunSpec, out: Path, timeout: float = 180
+) -> tuple[dict, subprocess.CompletedProcess]:
+    proc = subprocess.run(
+        launch_argv(spec, out),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    meta_path = out / "meta.json"
+    assert meta_path.exists(), f"no record written; rc={proc.returncode}\n{proc.stderr[-3000:]}"
+    return json.loads(meta_path.read_text()), proc
+
+
+def load_params(cell_dir: Path) -> dict[str, torch.Tensor]:
+    return torch.load(cell_dir / "params.pt", weights_only=True)
+
+
+def max_abs_diff(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+def in_ci() -> bool:
+    return os.environ.get("CI", "").lower() in ("1", "true", "yes")
+
+
+def require_tool(name: str) -> str:
+    """Path of a system tool; skip without it locally, fail without it in CI."""
+    path = shutil.which(name)
+    if path is None:
+        msg = f"{name} is not installed (tests/setup-system.sh installs it as root)"
+        if in_ci():
+            pytest.fail(msg)
+        pytest.skip(msg)
+    return path

@@ -1,0 +1,43 @@
+"""Every strategy runs from the command line at 1, 2 and 4 devices and writes its CSV
+and JSON; what cannot run honestly on this machine is `skipped` with its reason."""
+
+import csv
+
+import pytest
+
+from conftest import run_cell, tiny_spec
+from parabench import records
+
+pytestmark = pytest.mark.slow
+
+CELLS = [("single", 1)] + [
+    (s, n) for s in ("dp", "ddp", "model_parallel", "pipeline", "grad_accum") for n in (1, 2, 4)
+]
+
+
+@pytest.mark.parametrize("strategy, devices", CELLS, ids=[f"{s}-n{n}" for s, n in CELLS])
+def test_cell_writes_its_records(tmp_path, strategy, devices):
+    spec = tiny_spec(strategy, devices, steps=5, warmup=2)
+    meta, proc = run_cell(spec, tmp_path)
+    records.read_meta(tmp_path / "meta.json")  # schema-valid
+    with open(tmp_path / "steps.csv") as f:
+        reader = csv.DictReader(f)
+        rows = list(reader)
+    records.check_step_header(tmp_path / "steps.csv", reader.fieldnames)
+
+    if strategy == "dp" and devices > 1:  # CPU: DataParallel would silently run one copy
+        assert meta["status"] == "skipped"
+        assert "CUDA devices" in meta["reason"]
+        assert rows == [] and not (tmp_path / "params.pt").exists()
+        return
+    assert meta["status"] == "ok", f"{meta['reason']}\n{proc.stderr[-2000:]}"
+    assert proc.returncode == 0
+    assert [r["phase"] for r in rows] == ["warmup"] * 2 + ["timed"] * 3
+    assert all(float(r["step_time_s"]) >= float(r["step_time_min_s"]) > 0 for r in rows)
+    assert {int(r["samples"]) for r in rows} == {spec.global_batch}
+    assert meta["emulated"] == (strategy == "model_parallel" and devices > 1)
+    assert len(meta["peak_memory_per_rank"]) == meta["world_size"]
+    assert meta["peak_flops_total"] > 0 and meta["peak_memory_bytes"] > 0
+    assert meta["env"]["torch"] and meta["threads_per_rank"] >= 1
+    if strategy in ("model_parallel", "pipeline"):
+        assert len(meta["stage_cuts"]) == devices

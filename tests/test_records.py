@@ -1,0 +1,88 @@
+import csv
+import json
+import os
+
+import pytest
+
+from parabench import records
+
+
+def test_step_columns_are_the_documented_contract():
+    assert list(records.STEP_COLUMNS) == [
+        "schema_version",
+        "model",
+        "strategy",
+        "devices",
+        "repeat",
+        "step",
+        "phase",
+        "step_time_s",
+        "step_time_min_s",
+        "loss",
+        "samples",
+    ]
+    assert all(records.STEP_COLUMNS.values()), "every column is documented"
+
+
+def test_steps_csv_has_header_version_and_rows(tmp_path):
+    row = {
+        "model": "m",
+        "strategy": "ddp",
+        "devices": 2,
+        "repeat": 0,
+        "step": 0,
+        "phase": "warmup",
+        "step_time_s": 0.5,
+        "step_time_min_s": 0.4,
+        "loss": 0.7,
+        "samples": 64,
+    }
+    records.write_steps(tmp_path / "steps.csv", [row])
+    with open(tmp_path / "steps.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert rows == [
+        {k: str(v) for k, v in {"schema_version": records.SCHEMA_VERSION, **row}.items()}
+    ]
+
+
+def test_meta_round_trip_and_status_is_checked(tmp_path):
+    meta = {
+        "status": "skipped",
+        "reason": "no GPUs",
+        "model": "m",
+        "strategy": "dp",
+        "devices": 2,
+        "repeat": 0,
+    }
+    records.write_meta(tmp_path / "meta.json", meta)
+    assert records.read_meta(tmp_path / "meta.json") == {"schema_version": 1, **meta}
+    with pytest.raises(ValueError, match="status"):
+        records.write_meta(tmp_path / "x.json", {**meta, "status": "great"})
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        ("{not json", "unreadable"),
+        (json.dumps({"schema_version": 99, "status": "ok"}), "schema version 99"),
+        (json.dumps({"schema_version": 1, "status": "ok"}), "lacks"),
+        ("[]", "not a JSON object"),
+    ],
+)
+def test_untrustworthy_meta_is_rejected_naming_the_file(tmp_path, content, message):
+    path = tmp_path / "meta.json"
+    path.write_text(content)
+    with pytest.raises(records.ResultsError, match=message) as err:
+        records.read_meta(path)
+    assert str(path) in str(err.value)
+
+
+def test_atomic_write_leaves_no_temp_and_keeps_old_file_on_failure(tmp_path):
+    path = tmp_path / "f.txt"
+    records.atomic_write_bytes(path, b"old")
+
+    with pytest.raises(TypeError):
+        records.atomic_write_bytes(path, object())  # type: ignore[arg-type]
+    assert path.read_bytes() == b"old"
+    assert os.listdir(tmp_path) == ["f.txt"]
+    assert oct(path.stat().st_mode & 0o777) != oct(0o600), "shareable, not mkstemp's 0600"

@@ -1,0 +1,103 @@
+"""When a cell cannot give an honest number it says why; what each record knows of its
+environment."""
+
+import os
+import subprocess
+import sys
+
+import torch
+
+from conftest import tiny_spec
+from parabench import envinfo
+from parabench.runtime import Context
+from parabench.strategies import get
+
+
+def ctx(device: str, rank: int = 0, world: int = 1) -> Context:
+    return Context(
+        rank=rank,
+        world_size=world,
+        local_rank=rank,
+        device=torch.device(device),
+        threads=1,
+        distributed=world > 1,
+    )
+
+
+def test_dataparallel_on_cpu_is_skipped_beyond_one_device_never_timed():
+    reason = get("dp").skip_reason(tiny_spec("dp", 2), ctx("cpu"))
+    assert reason and "silently runs a single copy" in reason
+    assert get("dp").skip_reason(tiny_spec("dp", 1), ctx("cpu")) is None
+    # Known from the config alone: recorded without importing torch in the cell.
+    assert tiny_spec("dp", 4).static_skip_reason() == reason.replace("2", "4")
+    assert tiny_spec("dp", 1).static_skip_reason() is None
+
+
+def test_cuda_paths_skip_when_too_few_gpus_are_visible():
+    have = torch.cuda.device_count()
+    n = have + 1
+    for name in ("dp", "model_parallel"):
+        reason = get(name).skip_reason(tiny_spec(name, n, device="cuda"), ctx("cuda:0"))
+        assert reason is not None and f"{have} visible" in reason, name
+    reason = get("pipeline").skip_reason(
+        tiny_spec("pipeline", n, device="cuda"), ctx("cuda:0", rank=have, world=n)
+    )
+    assert reason is not None and f"{have} visible" in reason
+
+
+def test_cpu_model_parallel_runs_and_is_emulated():
+    from parabench.models import build
+
+    spec = tiny_spec("model_parallel", 2)
+    assert get("model_parallel").skip_reason(spec, ctx("cpu")) is None
+    strategy = get("model_parallel")(build(spec.model, 0), spec, ctx("cpu"))
+    assert strategy.emulated and len(strategy.stage_cuts) == 2
+
+
+def test_environment_record(monkeypatch):
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    monkeypatch.setenv("SLURM_GPUS_ON_NODE", "2")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    env = envinfo.describe("cpu")
+    assert env["torch"] == torch.__version__
+    assert env["slurm"] == {"SLURM_JOB_ID": "4242", "SLURM_GPUS_ON_NODE": "2"}
+    assert env["cuda_visible_devices"] == "0,1"
+    assert env["usable_cores"] == len(os.sched_getaffinity(0))
+    assert env["git_commit"] is None or len(env["git_commit"]) >= 40
+    for key in (
+        "host",
+        "cpu_model",
+        "python",
+        "gloo",
+        "nccl",
+        "cuda",
+        "device_names",
+        "launch_command",
+        "start_time",
+        "torch_threads",
+    ):
+        assert key in env
+
+
+def test_launch_command_under_torchrun_is_the_agents(tmp_path):
+    # torchrun's ranks see the agent's command line, the one a user would rerun.
+    code = "from parabench.envinfo import launch_command; print(launch_command())"
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "1",
+            "--no-python",
+            sys.executable,
+            "-c",
+            code,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    ).stdout
+    assert "torch.distributed.run" in out and "--nproc-per-node" in out

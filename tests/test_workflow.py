@@ -1,0 +1,128 @@
+"""The real pipeline (Snakemake, real torchrun ranks) on a tiny config in a temp dir.
+
+Checks values, not existence: every cell has the right status, the summary's speedups
+are recomputed from the raw steps, a second run does nothing, and growing the config
+runs only the new cells.
+"""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import yaml
+
+from conftest import REPO
+
+pytestmark = pytest.mark.slow
+
+STRATEGIES = ["single", "dp", "ddp", "model_parallel", "pipeline", "grad_accum"]
+CONFIG = {
+    "device": "cpu",
+    "models": {"tiny": {"arch": "mlp", "dims": [48, 32, 24, 16, 8, 4, 1], "batch_size": 64}},
+    "strategies": STRATEGIES,
+    "devices": [1, 2],
+    "repeats": 1,
+    "steps": 5,
+    "warmup": 1,
+    "timeout_s": 60,
+    "cell_timeout_s": 240,
+}
+
+
+def snakemake(workdir: Path, *args: str, config: dict | None = None) -> subprocess.CompletedProcess:
+    cfg = workdir / "config.yaml"
+    cfg.write_text(yaml.safe_dump(config or CONFIG))
+    bin_dir = str(Path(sys.executable).parent)
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "snakemake",
+            "-s",
+            str(REPO / "Snakefile"),
+            "--directory",
+            str(workdir),
+            "--configfile",
+            str(cfg),
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env={**os.environ, "PATH": bin_dir + os.pathsep + os.environ["PATH"]},
+    )
+
+
+def planned_outputs(proc: subprocess.CompletedProcess) -> list[str]:
+    return [
+        line.split("output:", 1)[1].strip()
+        for line in proc.stdout.splitlines()
+        if line.strip().startswith("output:")
+    ]
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("wf")
+    proc = snakemake(workdir, "--cores", "2")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return workdir
+
+
+def test_every_cell_has_a_row_with_the_right_status(run):
+    summary = pd.read_csv(run / "results/summary.csv")
+    cells = {(s, n) for s in STRATEGIES for n in (1, 2) if not (s == "single" and n == 2)}
+    assert set(zip(summary["strategy"], summary["devices"], strict=False)) == cells
+    status = summary.set_index(["strategy", "devices"])["status"]
+    assert status[("dp", 2)] == "skipped"
+    assert (status.drop(("dp", 2)) == "ok").all()
+    reason = summary.set_index(["strategy", "devices"]).loc[("dp", 2), "reason"]
+    assert "CUDA devices" in reason
+
+
+def test_speedup_recomputed_from_raw_steps_matches_summary(run):
+    steps = pd.read_csv(run / "results/steps.csv")
+    summary = pd.read_csv(run / "results/summary.csv").set_index(["strategy", "devices"])
+    timed = steps[steps["phase"] == "timed"]
+    per_repeat = timed.groupby(["strategy", "devices", "repeat"])["step_time_s"].median()
+    t = per_repeat.groupby(["strategy", "devices"]).median()
+    batch = CONFIG["models"]["tiny"]["batch_size"]
+    for key, median in t.items():
+        assert summary.loc[key, "step_time_s"] == pytest.approx(median, rel=1e-12)
+        speedup = (batch / median) / (batch / t[("single", 1)])
+        assert summary.loc[key, "speedup"] == pytest.approx(speedup, rel=1e-9)
+        assert summary.loc[key, "efficiency"] == pytest.approx(speedup / key[1], rel=1e-9)
+    # warm-up rows are kept in steps.csv but excluded from every statistic
+    assert (steps["phase"] == "warmup").sum() == len(t) * CONFIG["warmup"]
+
+
+def test_strategies_match_single_in_the_pipeline_too(run):
+    summary = pd.read_csv(run / "results/summary.csv")
+    ok = summary[summary["status"] == "ok"]
+    assert (ok["max_abs_param_diff"] <= 1e-6).all(), ok[
+        ["strategy", "devices", "max_abs_param_diff"]
+    ]
+
+
+def test_report_and_logs_exist_per_cell(run):
+    assert (run / "results/report.html").stat().st_size > 10_000
+    assert len(list((run / "logs/runs").rglob("*.log"))) == 11
+
+
+def test_second_run_does_nothing(run):
+    proc = snakemake(run, "-n")
+    assert proc.returncode == 0, proc.stderr
+    assert "Nothing to be done" in proc.stdout + proc.stderr
+
+
+def test_growing_the_config_plans_only_the_new_cells(run):
+    bigger = {**CONFIG, "devices": [1, 2, 4], "repeats": 2}
+    proc = snakemake(run, "-n", config=bigger)
+    assert proc.returncode == 0, proc.stderr
+    new = [p for p in planned_outputs(proc) if "/runs/" in p]
+    # 5 strategies gain n=4 (repeats 0 and 1), and every old cell gains repeat 1.
+    assert len(new) == 5 * 2 + 11
+    assert not any("/r0/" in p and "/n4/" not in p for p in new), new
