@@ -9,6 +9,8 @@ PYTHON ?= python3
 # multi-GB CUDA build.
 TORCH  ?= torch==2.13.0
 CORES  ?= 1
+# Extra snakemake arguments, e.g. ARGS="--configfile config/gpu.yaml"
+ARGS   ?=
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.parabench-installed
 
@@ -21,7 +23,7 @@ $(STAMP): pyproject.toml
 	touch $@
 
 run: $(STAMP)
-	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/snakemake --cores $(CORES)
+	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/snakemake --cores $(CORES) $(ARGS)
 	@echo "report: results/report.html"
 
 lint: $(STAMP)

@@ -1,0 +1,83 @@
+"""The report: right numbers, every section, reasons shown, nothing loaded from the
+network, every string escaped."""
+
+import re
+
+import pandas as pd
+import pytest
+
+from conftest import REPO
+from report_fixture import CELLS, DDP_OFFSET, XSS, build_report
+from parabench.report import LABELS
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory):
+    root = tmp_path_factory.mktemp("results")
+    html = build_report(root)
+    return root, html, pd.read_csv(root / "summary.csv")
+
+
+def test_summary_numbers_are_the_fixture_numbers(report):
+    _, _, summary = report
+    s = summary.set_index(["strategy", "devices"])
+    # Repeat medians 0.055 and 0.0561 for ddp x2: the median of two is their mean.
+    assert s.loc[("ddp", 2), "step_time_s"] == pytest.approx(0.055 * 1.01)
+    assert s.loc[("ddp", 2), "speedup"] == pytest.approx((0.100 * 1.01) / (0.055 * 1.01))
+    assert s.loc[("pipeline", 4), "status"] == "failed"
+    assert s.loc[("ddp", 2), "max_abs_param_diff"] == DDP_OFFSET
+
+
+def test_headline_figures_equal_the_summary(report):
+    _, html, summary = report
+    s = summary.set_index(["strategy", "devices"])
+    # The fastest non-emulated strategy at each device count, with its speedup.
+    m2 = re.search(r"At 2 devices, the fastest was ([^:]+): ([0-9.]+)× the throughput "
+                   r"of one device \(([0-9]+)% scaling efficiency\)", html)
+    assert m2, "headline for 2 devices"
+    assert m2.group(1) == LABELS["ddp"]
+    assert m2.group(2) == f"{s.loc[('ddp', 2), 'speedup']:.2f}"
+    assert int(m2.group(3)) == round(100 * s.loc[("ddp", 2), "efficiency"])
+    assert "Not ranked: model parallel (stages emulated on one device)" in html
+    m4 = re.search(r"At 4 devices, the fastest was DDP: ([0-9.]+)×", html)
+    assert m4 and m4.group(1) == f"{s.loc[('ddp', 4), 'speedup']:.2f}"
+
+
+def test_every_strategy_has_its_section_and_plots(report):
+    _, html, _ = report
+    for strategy in {s for s, _ in CELLS}:
+        assert f'id="strategy-{strategy}"' in html, strategy
+    for heading in ("How it works", "What it costs", "When to choose it",
+                    "What this run measured"):
+        assert html.count(heading) >= 6
+    for alt in ("speedup against devices", "scaling efficiency", "throughput",
+                "step time distributions", "peak memory per device", "model FLOP utilisation"):
+        assert re.search(rf'<img alt="{alt}" src="data:image/png;base64,[A-Za-z0-9+/=]{{500,}}"',
+                         html), alt
+
+
+def test_skipped_and_failed_cells_show_their_reasons(report):
+    _, html, _ = report
+    problems = html.split('id="problems"')[1].split('id="reproduce"')[0]
+    assert "nn.DataParallel needs 2 CUDA devices; 0 visible" in problems
+    assert problems.count("skipped") >= 2 and problems.count("failed") >= 2
+
+
+def test_nothing_is_loaded_from_the_network(report):
+    _, html, _ = report
+    assert not re.search(r"""(src|href)\s*=\s*["']?(https?:)?//""", html, re.I)
+    assert not re.search(r"url\(\s*['\"]?(https?:)?//|@import", html, re.I)
+    assert "<link" not in html and "<script" not in html.replace(XSS, "")
+    assert "https://" not in html and "http://" not in html
+
+
+def test_hostile_strings_are_escaped(report):
+    _, html, _ = report
+    assert XSS not in html
+    escaped = "&lt;script&gt;alert(1)&lt;/script&gt;"
+    assert html.count(escaped) >= 3  # host name, error message, config value
+
+
+def test_report_templates_are_files_not_python_strings():
+    names = {p.name for p in (REPO / "report" / "strategies").glob("*.html.j2")}
+    assert names == {f"{s}.html.j2" for s in LABELS}
