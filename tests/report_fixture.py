@@ -33,8 +33,10 @@ DIMS = [8, 4, 1]
 
 def _params(offset: float) -> bytes:
     buf = io.BytesIO()
-    torch.save({"0.0.weight": torch.full((4, 8), 0.5 + offset),
-                "1.0.weight": torch.full((1, 4), 0.25)}, buf)
+    torch.save(
+        {"0.0.weight": torch.full((4, 8), 0.5 + offset), "1.0.weight": torch.full((1, 4), 0.25)},
+        buf,
+    )
     return buf.getvalue()
 
 
@@ -44,29 +46,57 @@ def make_results(root: Path, repeats: int = 2) -> list[Path]:
         for r in range(repeats):
             out = root / "runs" / "m" / strategy / f"n{n}" / f"r{r}"
             ident = {"model": "m", "strategy": strategy, "devices": n, "repeat": r}
-            spec = {"batch_size": BATCH, "steps": 6, "warmup": 2, "scaling": "strong",
-                    "model": {"arch": "mlp", "dims": DIMS}}
-            env = {"host": XSS if strategy == "ddp" else "node1", "torch": "2.13.0+cpu",
-                   "launch_command": ["torchrun", "--nproc-per-node", str(n)]}
+            spec = {
+                "batch_size": BATCH,
+                "steps": 6,
+                "warmup": 2,
+                "scaling": "strong",
+                "model": {"arch": "mlp", "dims": DIMS},
+            }
+            env = {
+                "host": XSS if strategy == "ddp" else "node1",
+                "torch": "2.13.0+cpu",
+                "launch_command": ["torchrun", "--nproc-per-node", str(n)],
+            }
             if status != "ok":
-                records.write_outcome(out, status, reason, **ident, spec=spec, env=env,
-                                      device_type="cpu")
+                records.write_outcome(
+                    out, status, reason, **ident, spec=spec, env=env, device_type="cpu"
+                )
                 metas.append(out / "meta.json")
                 continue
             # Timed steps around the median; repeat 1 a little slower than repeat 0.
             times = [median * f * (1 + 0.02 * r) for f in (3.0, 2.0, 0.98, 1.0, 1.02, 1.0)]
-            rows = [{**ident, "step": i, "phase": "warmup" if i < 2 else "timed",
-                     "step_time_s": t, "step_time_min_s": t * 0.9, "loss": 0.7 - 0.01 * i,
-                     "samples": BATCH} for i, t in enumerate(times)]
-            records.atomic_write_bytes(out / "params.pt",
-                                       _params(0.0 if strategy != "ddp" else DDP_OFFSET))
+            rows = [
+                {
+                    **ident,
+                    "step": i,
+                    "phase": "warmup" if i < 2 else "timed",
+                    "step_time_s": t,
+                    "step_time_min_s": t * 0.9,
+                    "loss": 0.7 - 0.01 * i,
+                    "samples": BATCH,
+                }
+                for i, t in enumerate(times)
+            ]
+            records.atomic_write_bytes(
+                out / "params.pt", _params(0.0 if strategy != "ddp" else DDP_OFFSET)
+            )
             records.write_steps(out / "steps.csv", rows)
-            records.write_meta(out / "meta.json", {
-                **ident, "status": "ok", "reason": None, "spec": spec, "env": env,
-                "device_type": "cpu", "emulated": strategy == "model_parallel" and n > 1,
-                "peak_flops_total": 1e11 * (n if strategy in ("ddp", "pipeline", "grad_accum")
-                                            else 1),
-                "peak_memory_bytes": 100 * 2**20 + n})
+            records.write_meta(
+                out / "meta.json",
+                {
+                    **ident,
+                    "status": "ok",
+                    "reason": None,
+                    "spec": spec,
+                    "env": env,
+                    "device_type": "cpu",
+                    "emulated": strategy == "model_parallel" and n > 1,
+                    "peak_flops_total": 1e11
+                    * (n if strategy in ("ddp", "pipeline", "grad_accum") else 1),
+                    "peak_memory_bytes": 100 * 2**20 + n,
+                },
+            )
             metas.append(out / "meta.json")
     return metas
 
@@ -74,6 +104,10 @@ def make_results(root: Path, repeats: int = 2) -> list[Path]:
 def build_report(root: Path, config: dict | None = None) -> str:
     metas = make_results(root)
     aggregate(metas, root / "steps.csv", root / "summary.csv", root / "cells.csv")
-    render(root, REPO / "report", config or {"models": {"m": {"arch": "mlp"}},
-                                             "note": XSS}, root / "report.html")
+    render(
+        root,
+        REPO / "report",
+        config or {"models": {"m": {"arch": "mlp"}}, "note": XSS},
+        root / "report.html",
+    )
     return (root / "report.html").read_text()

@@ -15,10 +15,20 @@ pytestmark = pytest.mark.browser
 # The flags this machine's Chromium needs as root and offline. Even with the background
 # networking ones it asks Google's hosts for updates at start; the resolver rule makes
 # every such lookup fail here, so nothing leaves the machine.
-FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-         "--disable-background-networking", "--disable-component-update", "--disable-sync",
-         "--host-resolver-rules=MAP * ~NOTFOUND", "--hide-scrollbars",
-         "--enable-logging=stderr", "--v=0"]
+FLAGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--host-resolver-rules=MAP * ~NOTFOUND",
+    "--hide-scrollbars",
+    "--enable-logging=stderr",
+    "--v=0",
+]
 # Chromium's own service requests, which the net log shows beside the page's.
 BROWSER_OWN = re.compile(r"^https?://[^/]*(google\.com|googleapis\.com|gvt1\.com)/")
 
@@ -28,11 +38,19 @@ def test_report_renders_in_chromium(tmp_path):
     build_report(tmp_path)
     shot = tmp_path / "report.png"
     proc = subprocess.run(
-        [chromium, *FLAGS, f"--user-data-dir={tmp_path / 'profile'}",
-         "--window-size=1280,4000", f"--screenshot={shot}",
-         f"--log-net-log={tmp_path / 'net.json'}",
-         (tmp_path / "report.html").as_uri()],
-        capture_output=True, text=True, timeout=120)
+        [
+            chromium,
+            *FLAGS,
+            f"--user-data-dir={tmp_path / 'profile'}",
+            "--window-size=1280,4000",
+            f"--screenshot={shot}",
+            f"--log-net-log={tmp_path / 'net.json'}",
+            (tmp_path / "report.html").as_uri(),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert shot.exists(), proc.stderr[-3000:]
 
     console = [line for line in proc.stderr.splitlines() if "CONSOLE" in line]

@@ -7,8 +7,8 @@ import pandas as pd
 import pytest
 
 from conftest import REPO
-from report_fixture import CELLS, DDP_OFFSET, XSS, build_report
 from parabench.report import LABELS
+from report_fixture import CELLS, DDP_OFFSET, XSS, build_report
 
 
 @pytest.fixture(scope="module")
@@ -32,8 +32,11 @@ def test_headline_figures_equal_the_summary(report):
     _, html, summary = report
     s = summary.set_index(["strategy", "devices"])
     # The fastest non-emulated strategy at each device count, with its speedup.
-    m2 = re.search(r"At 2 devices, the fastest was ([^:]+): ([0-9.]+)× the throughput "
-                   r"of one device \(([0-9]+)% scaling efficiency\)", html)
+    m2 = re.search(
+        r"At 2 devices, the fastest was ([^:]+): ([0-9.]+)× the throughput "
+        r"of one device \(([0-9]+)% scaling efficiency\)",
+        html,
+    )
     assert m2, "headline for 2 devices"
     assert m2.group(1) == LABELS["ddp"]
     assert m2.group(2) == f"{s.loc[('ddp', 2), 'speedup']:.2f}"
@@ -47,13 +50,19 @@ def test_every_strategy_has_its_section_and_plots(report):
     _, html, _ = report
     for strategy in {s for s, _ in CELLS}:
         assert f'id="strategy-{strategy}"' in html, strategy
-    for heading in ("How it works", "What it costs", "When to choose it",
-                    "What this run measured"):
+    for heading in ("How it works", "What it costs", "When to choose it", "What this run measured"):
         assert html.count(heading) >= 6
-    for alt in ("speedup against devices", "scaling efficiency", "throughput",
-                "step time distributions", "peak memory per device", "model FLOP utilisation"):
-        assert re.search(rf'<img alt="{alt}" src="data:image/png;base64,[A-Za-z0-9+/=]{{500,}}"',
-                         html), alt
+    for alt in (
+        "speedup against devices",
+        "scaling efficiency",
+        "throughput",
+        "step time distributions",
+        "peak memory per device",
+        "model FLOP utilisation",
+    ):
+        assert re.search(
+            rf'<img alt="{alt}" src="data:image/png;base64,[A-Za-z0-9+/=]{{500,}}"', html
+        ), alt
 
 
 def test_skipped_and_failed_cells_show_their_reasons(report):
