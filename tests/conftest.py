@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 from parabench.catalog import uses_torchrun
 from parabench.cli import spec_argv
@@ -88,3 +89,43 @@ def require_tool(name: str) -> str:
             pytest.fail(msg)
         pytest.skip(msg)
     return path
+
+
+def snakemake(
+    workdir: Path, *args: str, config: dict, env: dict | None = None, popen: bool = False
+):
+    """The real `snakemake` of this venv on the repository's Snakefile, in `workdir`."""
+    cfg = workdir / "config.yaml"
+    cfg.write_text(yaml.safe_dump(config))
+    bin_dir = str(Path(sys.executable).parent)
+    cmd = [
+        sys.executable,
+        "-m",
+        "snakemake",
+        "-s",
+        str(REPO / "Snakefile"),
+        "--directory",
+        str(workdir),
+        "--configfile",
+        str(cfg),
+        *args,
+    ]
+    full_env = {**os.environ, "PATH": bin_dir + os.pathsep + os.environ["PATH"], **(env or {})}
+    if popen:  # its own session, so a test can signal it like a terminal would
+        return subprocess.Popen(
+            cmd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=full_env,
+            start_new_session=True,
+        )
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=full_env)
+
+
+def planned_outputs(proc: subprocess.CompletedProcess) -> list[str]:
+    return [
+        line.split("output:", 1)[1].strip()
+        for line in proc.stdout.splitlines()
+        if line.strip().startswith("output:")
+    ]

@@ -5,16 +5,10 @@ are recomputed from the raw steps, a second run does nothing, and growing the co
 runs only the new cells.
 """
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pandas as pd
 import pytest
-import yaml
 
-from conftest import REPO
+from conftest import planned_outputs, snakemake
 
 pytestmark = pytest.mark.slow
 
@@ -32,42 +26,10 @@ CONFIG = {
 }
 
 
-def snakemake(workdir: Path, *args: str, config: dict | None = None) -> subprocess.CompletedProcess:
-    cfg = workdir / "config.yaml"
-    cfg.write_text(yaml.safe_dump(config or CONFIG))
-    bin_dir = str(Path(sys.executable).parent)
-    return subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "snakemake",
-            "-s",
-            str(REPO / "Snakefile"),
-            "--directory",
-            str(workdir),
-            "--configfile",
-            str(cfg),
-            *args,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=900,
-        env={**os.environ, "PATH": bin_dir + os.pathsep + os.environ["PATH"]},
-    )
-
-
-def planned_outputs(proc: subprocess.CompletedProcess) -> list[str]:
-    return [
-        line.split("output:", 1)[1].strip()
-        for line in proc.stdout.splitlines()
-        if line.strip().startswith("output:")
-    ]
-
-
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("wf")
-    proc = snakemake(workdir, "--cores", "2")
+    proc = snakemake(workdir, "--cores", "2", config=CONFIG)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return workdir
 
@@ -113,7 +75,7 @@ def test_report_and_logs_exist_per_cell(run):
 
 
 def test_second_run_does_nothing(run):
-    proc = snakemake(run, "-n")
+    proc = snakemake(run, "-n", config=CONFIG)
     assert proc.returncode == 0, proc.stderr
     assert "Nothing to be done" in proc.stdout + proc.stderr
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from parabench import envinfo, records, runtime, strategies
+from parabench import envinfo, faults, records, runtime, strategies
 from parabench.data import LoaderBatches, SyntheticBatches
 from parabench.loop import all_ranks, measure, peak_memory
 from parabench.models import build
@@ -110,7 +110,8 @@ def _run(spec: RunSpec, ctx: runtime.Context, out: Path, common: dict, t_start: 
             torch.cuda.reset_peak_memory_stats(d)
     setup_s = time.perf_counter() - t_start
 
-    measured = measure(strategy, batches, spec.steps)
+    fault = faults.for_cell(spec.model_name, spec.strategy, spec.devices, spec.repeat, ctx.rank)
+    measured = measure(strategy, batches, spec.steps, fault)
 
     state = strategy.full_state()
     per_rank = all_ranks(

@@ -131,7 +131,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.command == "aggregate":
         from parabench.aggregate import aggregate
+        from parabench.records import ResultsError
 
-        aggregate(args.meta, args.steps_out, args.summary_out, args.cells_out)
+        try:
+            aggregate(args.meta, args.steps_out, args.summary_out, args.cells_out)
+        except ResultsError as e:  # one clear line naming the file, not a traceback
+            print(f"parabench aggregate: refusing to merge: {e}", file=sys.stderr)
+            return 1
         return 0
     return 1

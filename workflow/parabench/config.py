@@ -86,16 +86,17 @@ def problems(config: dict, workdir: Path | None = None) -> list[str]:
             out.append(f"models.{name}: {e}")
     if out:
         return out
-    seen: set[str] = set()
-    for cell in cells(config):
-        if cell.spec.repeat:  # repeats share every setting
-            continue
-        s = cell.spec
+    # A rule broken by every cell (warmup >= steps) is said once; one broken by some
+    # cells (batch not divisible at 4 devices) names them.
+    where: dict[str, list[str]] = {}
+    all_cells = [c.spec for c in cells(config) if c.spec.repeat == 0]
+    for s in all_cells:
         for p in s.problems():
-            msg = f"models.{s.model_name} / {s.strategy} at devices={s.devices}: {p}"
-            if msg not in seen:
-                seen.add(msg)
-                out.append(msg)
+            where.setdefault(p, []).append(
+                f"models.{s.model_name} / {s.strategy} at devices={s.devices}"
+            )
+    for p, cells_at in where.items():
+        out.append(p if len(cells_at) == len(all_cells) else f"{p} ({'; '.join(cells_at)})")
     if workdir is not None and "results" in config:
         res = (workdir / config["results"]).resolve()
         if not res.is_relative_to(workdir.resolve()):

@@ -40,6 +40,32 @@ def last_error(lines: list[str]) -> str:
     return lines[-1].strip()[:500] if lines else ""
 
 
+_ROOT = re.compile(r"Root Cause.*?rank\s*:\s*(\d+).*?exitcode\s*:\s*(-?\d+)", re.S)
+
+
+def root_cause(lines: list[str]) -> str:
+    """torchrun's own verdict: which rank failed first, and how."""
+    m = _ROOT.search("\n".join(lines))
+    if not m:
+        return ""
+    rank, code = m.group(1), int(m.group(2))
+    how = f"killed by signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+    cause = f"torchrun: rank {rank} failed first ({how})"
+    own = last_error([ln for ln in lines if ln.startswith(f"[rank{rank}]:")])
+    return f"{cause}: {own.removeprefix(f'[rank{rank}]:').strip()}" if own else cause
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: get SIGTERM when the guard dies, even by SIGKILL, so a
+    killed sweep leaves no torchrun behind writing into a cell being rerun (Linux)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
 def _describe_exit(rc: int) -> str:
     if rc < 0:
         return f"killed by signal {signal.Signals(-rc).name}"
@@ -107,12 +133,19 @@ def guard(out: Path, cmd: list[str], timeout_s: float, identity: dict) -> int:
         reason = f"timed out after {timeout_s:g} s (cell_timeout_s); killed"
     elif meta.exists():
         try:
-            records.read_meta(meta)
-            return 0
+            recorded = records.read_meta(meta)
         except records.ResultsError as e:
             reason = f"cell wrote an invalid record: {e}"
+        else:
+            cause = root_cause(list(tail))
+            if recorded["status"] == "failed" and cause:  # rank 0 saw a symptom; add the cause
+                recorded["reason"] = f"{recorded['reason']} [{cause}]"
+                records.write_meta(meta, recorded)
+            return 0
     else:
         reason = f"launcher {_describe_exit(rc)} without a record"
+        if cause := root_cause(list(tail)):
+            reason += f"; {cause}"
         if err := last_error(list(tail)):
             reason += f"; last error: {err}"
     records.write_outcome(

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from parabench.faults import Fault
 from parabench.runtime import Context
 from parabench.strategies.base import Strategy
 
@@ -41,12 +42,15 @@ class Measured:
     losses: list[float]
 
 
-def measure(strategy: Strategy, batches, steps: int) -> Measured:
+def measure(strategy: Strategy, batches, steps: int, fault: Fault | None = None) -> Measured:
     sync = synchronizer(strategy.devices())
+    fault_step = fault.step if fault else -1
     times: list[float] = []
     losses: list[torch.Tensor] = []
     timed_fetch = batches.timed_fetch
     for step in range(steps):
+        if step == fault_step:  # test-only; before the timer, so it costs the step nothing
+            fault.fire()
         if not timed_fetch:
             x, y = batches.batch(step)
         sync()

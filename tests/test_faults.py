@@ -1,0 +1,89 @@
+"""Crashes, hangs, OOMs and timeouts end in bounded time as a recorded `failed` cell with
+its cause; real torchrun ranks, real `parabench guard`, as the workflow runs them."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import launch_argv, tiny_spec
+
+pytestmark = pytest.mark.slow
+
+PG_TIMEOUT = 5  # seconds: the process-group timeout a hung collective must hit
+
+
+def guarded(tmp_path, spec, fault: str, cell_timeout: float = 120):
+    out = tmp_path / "cell"
+    cmd = [
+        sys.executable,
+        "-m",
+        "parabench",
+        "guard",
+        "--out",
+        str(out),
+        "--timeout",
+        str(cell_timeout),
+        "--",
+        *launch_argv(spec, out),
+    ]
+    t0 = time.monotonic()
+    proc = subprocess.run(
+        cmd,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PARABENCH_FAULT": fault},
+    )
+    elapsed = time.monotonic() - t0
+    meta = json.loads((out / "meta.json").read_text())
+    if meta["status"] == "failed":
+        assert (out / "steps.csv").read_text().count("\n") == 1, "header only, no partial steps"
+    return proc, meta, elapsed
+
+
+@pytest.mark.parametrize(
+    "kind, expected",
+    [
+        ("crash", "rank 1 failed first (exit code 13)"),
+        ("oom", "OutOfMemoryError: injected"),
+        ("hang", "Timed out"),
+    ],
+)
+def test_rank_fault_is_a_recorded_failure(tmp_path, kind, expected):
+    spec = tiny_spec("ddp", 2, timeout_s=PG_TIMEOUT)
+    proc, meta, elapsed = guarded(tmp_path, spec, f"{kind}@tiny/ddp/n2/r0:rank=1:step=2")
+    assert proc.returncode == 0, "a recorded failure lets the sweep go on"
+    assert meta["status"] == "failed"
+    assert expected in meta["reason"], meta["reason"]
+    assert (meta["model"], meta["strategy"], meta["devices"]) == ("tiny", "ddp", 2)
+    if kind == "hang":  # bounded by the process-group timeout, plus start-up
+        assert PG_TIMEOUT <= elapsed < PG_TIMEOUT + 40, elapsed
+
+
+def test_faults_hit_only_their_cell(tmp_path):
+    spec = tiny_spec("ddp", 2)
+    _, meta, _ = guarded(tmp_path, spec, "crash@tiny/ddp/n2/r1:rank=1:step=2")  # repeat 1
+    assert meta["status"] == "ok"
+
+
+def test_cell_timeout_kills_a_hang_outside_any_collective(tmp_path):
+    spec = tiny_spec("single", 1)
+    proc, meta, elapsed = guarded(
+        tmp_path, spec, "hang@tiny/single/n1/r0:rank=0:step=1", cell_timeout=8
+    )
+    assert proc.returncode == 0
+    assert meta["status"] == "failed"
+    assert meta["reason"] == "timed out after 8 s (cell_timeout_s); killed"
+    assert 8 <= elapsed < 25
+    left = subprocess.run(["pgrep", "-f", str(tmp_path / "cell")], capture_output=True)
+    assert left.returncode == 1, "no process of the killed cell may survive"
+
+
+def test_malformed_fault_spec_is_refused(tmp_path):
+    spec = tiny_spec("single", 1)
+    _, meta, _ = guarded(tmp_path, spec, "explode@everything")
+    assert meta["status"] == "failed" and "PARABENCH_FAULT" in meta["reason"]

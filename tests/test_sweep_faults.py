@@ -1,0 +1,208 @@
+"""A sweep meets trouble: one failed cell leaves the rest whole, Ctrl-C and SIGKILL
+resume without rerunning finished cells, untrustworthy results are refused by name, and
+a bad config stops before any job starts. Real Snakemake, real processes."""
+
+import base64
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pandas as pd
+import pytest
+
+from conftest import snakemake
+from report_fixture import make_results
+
+pytestmark = pytest.mark.slow
+
+TINY = {"arch": "mlp", "dims": [48, 32, 24, 16, 8, 4, 1], "batch_size": 64}
+BASE = {
+    "device": "cpu",
+    "models": {"tiny": TINY},
+    "strategies": ["single", "ddp"],
+    "devices": [1, 2],
+    "repeats": 1,
+    "steps": 5,
+    "warmup": 1,
+    "timeout_s": 10,
+    "cell_timeout_s": 120,
+}
+
+
+def test_one_failed_cell_leaves_the_sweep_whole(tmp_path):
+    proc = snakemake(
+        tmp_path,
+        "--cores",
+        "2",
+        config=BASE,
+        env={"PARABENCH_FAULT": "crash@tiny/ddp/n2/r0:rank=1:step=2"},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = pd.read_csv(tmp_path / "results/summary.csv").set_index(["strategy", "devices"])
+    assert summary.loc[("single", 1), "status"] == "ok"
+    assert summary.loc[("ddp", 1), "status"] == "ok"
+    assert summary.loc[("ddp", 2), "status"] == "failed"
+    reason = summary.loc[("ddp", 2), "reason"]
+    assert "rank 1 failed first (exit code 13)" in reason
+    report = (tmp_path / "results/report.html").read_text()
+    problems = report.split('id="problems"')[1].split('id="reproduce"')[0]
+    assert "rank 1 failed first (exit code 13)" in problems
+
+
+# Python-only cells (a few seconds each) so the sweep is still running when signalled.
+INTERRUPTED = {
+    **BASE,
+    "strategies": ["single", "model_parallel"],
+    "devices": [1, 2, 4],
+    "repeats": 2,
+}
+
+
+def incomplete_outputs(workdir) -> set:
+    """Outputs Snakemake marked incomplete: jobs running when the sweep was stopped.
+    Markers are urlsafe-base64 names, split into '@'-prefixed chunks when long."""
+    root = workdir / ".snakemake/incomplete"
+    out = set()
+    for marker in root.rglob("*") if root.exists() else ():
+        if marker.is_file():
+            b64 = "".join(part.removeprefix("@") for part in marker.relative_to(root).parts)
+            out.add(workdir / base64.urlsafe_b64decode(b64).decode())
+    return out
+
+
+def metas(workdir):
+    return {p: p.read_text() for p in (workdir / "results/runs").rglob("meta.json")}
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL], ids=["SIGINT", "SIGKILL"])
+def test_interrupted_sweep_resumes_without_rerunning_finished_cells(tmp_path, sig):
+    proc = snakemake(tmp_path, "--cores", "1", config=INTERRUPTED, popen=True)
+    deadline = time.monotonic() + 180
+    while len(metas(tmp_path)) < 2 if (tmp_path / "results/runs").exists() else True:
+        assert time.monotonic() < deadline and proc.poll() is None, "sweep ended too soon"
+        time.sleep(0.2)
+    time.sleep(1.5)  # well inside the next cell
+    # SIGINT to the process group is a Ctrl-C in a terminal; SIGKILL of the group is a
+    # killed session: no handler runs, not Snakemake's and not the guard's.
+    os.killpg(proc.pid, sig)
+    proc.wait(timeout=60)
+    time.sleep(2)
+    left = subprocess.run(["pgrep", "-f", f"parabench run.*{tmp_path}"], capture_output=True)
+    assert left.returncode == 1, f"cells still running after {sig.name}: {left.stdout}"
+
+    # A cell in flight may have written its record before the kill, but Snakemake never
+    # saw its job end: it is marked incomplete and must be rerun, never trusted.
+    in_flight = incomplete_outputs(tmp_path)
+    finished = {p: t for p, t in metas(tmp_path).items() if p not in in_flight}
+    assert 2 <= len(finished) < 8
+    for path, text in finished.items():  # nothing half-written was left as a result
+        assert json.loads(text)["status"] == "ok", path
+        assert (path.parent / "steps.csv").read_text().count("\n") == 1 + 5
+
+    if sig == signal.SIGKILL:
+        # Snakemake keeps its lock after a SIGKILL (it cannot tell a dead run from a live
+        # one elsewhere) and says to unlock; a user does exactly this.
+        unlock = snakemake(tmp_path, "--unlock", config=INTERRUPTED)
+        assert unlock.returncode == 0, unlock.stderr[-2000:]
+    # A plain rerun: profiles/default (keep-going, rerun-incomplete) applies here too.
+    rerun = snakemake(tmp_path, "--cores", "1", config=INTERRUPTED)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    after = metas(tmp_path)
+    assert len(after) == 8
+    for path, text in finished.items():
+        assert after[path] == text, f"{path} was rerun"
+    for path in in_flight & set(after):
+        assert json.loads(after[path])["status"] == "ok"
+    summary = pd.read_csv(tmp_path / "results/summary.csv")
+    assert (summary["status"] == "ok").all() and (summary["repeats_ok"] == 2).all()
+
+
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        ("truncate", "unreadable results metadata"),
+        ("version", "results schema version 0"),
+        ("columns", "do not match schema v1"),
+    ],
+)
+def test_aggregate_refuses_untrustworthy_results_naming_the_file(tmp_path, damage, message):
+    metas_ = make_results(tmp_path)
+    bad = metas_[3]
+    if damage == "truncate":
+        bad.write_text(bad.read_text()[:40])
+    elif damage == "version":
+        bad.write_text(bad.read_text().replace('"schema_version": 1', '"schema_version": 0'))
+    else:
+        steps = bad.parent / "steps.csv"
+        steps.write_text(steps.read_text().replace("step_time_s", "seconds", 1))
+    out = tmp_path / "merged"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "parabench",
+            "aggregate",
+            "--meta",
+            *map(str, metas_),
+            "--steps-out",
+            str(out / "steps.csv"),
+            "--summary-out",
+            str(out / "summary.csv"),
+            "--cells-out",
+            str(out / "cells.csv"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 1
+    assert message in proc.stderr
+    assert str(bad.parent) in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not out.exists(), "nothing merged from untrustworthy input"
+
+
+@pytest.mark.parametrize(
+    "over, key",
+    [
+        ({"strategies": ["fsdp"]}, "strategies"),
+        ({"models": {"tiny": {**TINY, "arch": "gpt"}}}, "arch"),
+        ({"bogus": 1}, "'bogus' was unexpected"),
+        ({"devices": [0]}, "devices"),
+        ({"devices": [1.5]}, "devices"),
+        ({"repeats": 0}, "repeats"),
+        ({"steps": 0}, "steps"),
+        ({"warmup": 5}, "warmup"),
+        ({"timeout_s": -1}, "timeout_s"),
+        ({"models": {"tiny": {**TINY, "batch_size": 63}}}, "batch_size"),
+        (
+            {
+                "pipeline": {"microbatches": 2, "schedule": "1f1b"},
+                "strategies": ["pipeline"],
+                "devices": [4],
+            },
+            "pipeline.microbatches",
+        ),
+        (
+            {
+                "models": {"tiny": {**TINY, "dims": [48, 8, 1]}},
+                "strategies": ["pipeline"],
+                "devices": [4],
+            },
+            "only 2 blocks",
+        ),
+        ({"results": "../outside"}, "results"),
+        ({"results": "r; rm -rf ~"}, "results"),
+        ({"models": {"a;b": TINY}}, "models"),
+    ],
+)
+def test_bad_config_fails_before_any_job_naming_the_key(tmp_path, over, key):
+    proc = snakemake(tmp_path, "-n", config={**BASE, **over})
+    assert proc.returncode != 0
+    out = proc.stdout + proc.stderr
+    assert key in out, out[-2000:]
+    assert "invalid config" in out or "Error validating config file" in out
+    assert not (tmp_path / "results").exists() and not (tmp_path / "logs").exists()
