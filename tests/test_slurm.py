@@ -1,0 +1,150 @@
+"""The Slurm profile against a real Slurm: the pipeline runs with
+`--profile profiles/slurm` on a single-node cluster started here, every benchmark cell
+is an sbatch job that gets exactly the GPUs it asked for, and results and report follow.
+"""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import yaml
+from slurm_cluster import local_slurm
+
+from conftest import REPO, require_tool
+
+pytestmark = [pytest.mark.slurm, pytest.mark.slow]
+
+CONFIG = {
+    # auto: jobs ask Slurm for GPUs (fake ones here); the CPU torch then runs on CPU.
+    "device": "auto",
+    "models": {"tiny": {"arch": "mlp", "dims": [48, 32, 24, 16, 8, 4, 1], "batch_size": 64}},
+    "strategies": ["single", "ddp"],
+    "devices": [1, 2],
+    "repeats": 1,
+    "steps": 5,
+    "warmup": 1,
+    "timeout_s": 30,
+    "cell_timeout_s": 300,
+}
+# The test overlay: what a user sets for their site, plus two settings for a cluster
+# without an accounting database (squeue for status, a short first status check).
+OVERLAY = [
+    "--slurm-status-command",
+    "squeue",
+    "--slurm-init-seconds-before-status-checks",
+    "2",
+    "--slurm-no-account",
+    "--default-resources",
+    "slurm_partition=test",
+    "mem_mb_per_cpu=200",
+    "runtime=10",
+    "--set-resources",
+    "benchmark:cpus_per_gpu=1",
+]
+
+
+@pytest.fixture(scope="module")
+def sweep(tmp_path_factory):
+    for tool in ("slurmctld", "slurmd", "munged", "sbatch"):
+        require_tool(tool)
+    if os.geteuid() != 0:
+        pytest.skip("starting slurmctld/slurmd needs root")
+    work = tmp_path_factory.mktemp("slurm-work")
+    (work / "config.yaml").write_text(yaml.safe_dump(CONFIG))
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    with local_slurm(tmp_path_factory.mktemp("slurm")) as cluster:
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "snakemake",
+                "--profile",
+                "profiles/slurm",
+                "--directory",
+                str(work),
+                "--configfile",
+                str(work / "config.yaml"),
+                *OVERLAY,
+            ],
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        log = "\n".join(p.read_text()[-2000:] for p in cluster["logs"] if p.exists())
+        # Slurm's own record of the jobs (kept MinJobAge after they end).
+        jobs = subprocess.run(
+            ["scontrol", "-o", "show", "job"], capture_output=True, text=True, check=True
+        ).stdout
+    assert proc.returncode == 0, f"{proc.stderr[-4000:]}\n--- slurm logs ---\n{log}"
+    slurm = {}
+    for line in jobs.splitlines():
+        fields = dict(f.split("=", 1) for f in line.split() if "=" in f)
+        slurm[fields["JobId"]] = fields
+    return work, slurm
+
+
+def test_every_cell_ran_as_its_own_slurm_job(sweep):
+    work, slurm = sweep
+    cells = pd.read_csv(work / "results/cells.csv", dtype=str, keep_default_na=False)
+    assert len(cells) == 3
+    assert (cells["status"] == "ok").all(), cells[["strategy", "devices", "reason"]]
+    ids = cells["slurm_job_id"]
+    assert (ids != "").all(), "a cell ran outside Slurm"
+    assert ids.is_unique, "one sbatch job per cell"
+    for _, c in cells.iterrows():  # Slurm itself knows the job, and it completed
+        job = slurm[c["slurm_job_id"]]
+        assert job["JobState"] == "COMPLETED", job
+        # --gpus=N is recorded per job as TresPerJob=gres:gpu:N
+        assert job.get("TresPerJob") == f"gres:gpu:{c['devices']}", job
+    assert len(list((work / "logs/slurm").rglob("*.log"))) == 3, "the plugin's job logs"
+
+
+def test_each_job_got_the_gpus_it_asked_for(sweep):
+    work, _ = sweep
+    cells = pd.read_csv(work / "results/cells.csv", dtype=str, keep_default_na=False)
+    for _, c in cells.iterrows():
+        n = int(c["devices"])
+        assert c["gpus_given"] == str(n), c.to_dict()
+        assert len(c["cuda_visible_devices"].split(",")) == n, c.to_dict()
+
+
+def test_report_shows_the_slurm_jobs(sweep):
+    work, _ = sweep
+    cells = pd.read_csv(work / "results/cells.csv", dtype=str, keep_default_na=False)
+    html = (work / "results/report.html").read_text()
+    env_section = html.split('id="reproduce"')[1]
+    assert "Slurm job ids" in env_section
+    for job in cells["slurm_job_id"]:
+        assert job in env_section
+
+
+def test_profile_plans_without_slurm(tmp_path):
+    # A machine without Slurm (or before the cluster is up) still gets a plan.
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(CONFIG))
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}/usr/bin:/bin"}
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "snakemake",
+            "--profile",
+            "profiles/slurm",
+            "-n",
+            "--directory",
+            str(tmp_path),
+            "--configfile",
+            str(tmp_path / "config.yaml"),
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "benchmark" in proc.stdout and "This was a dry-run" in proc.stdout
