@@ -48,6 +48,7 @@ def spec_for(config: dict, model: str, strategy: str, devices: int, repeat: int)
             "data",
             "loader_workers",
             "peak_flops",
+            "gpus_per_node",
         )
         if k in config
     }

@@ -11,7 +11,7 @@ import hashlib
 import json
 from dataclasses import asdict, dataclass, field
 
-from parabench.catalog import ARCHS, SCHEDULES, STRATEGIES
+from parabench.catalog import ARCHS, SCHEDULES, STRATEGIES, uses_torchrun
 
 # Defaults mirror the seeds: demo.py's MLP and the DDP tutorial's SeqNet.
 DEFAULTS: dict[str, dict] = {
@@ -74,6 +74,14 @@ class RunSpec:
     data: str = "synthetic"  # synthetic | dataloader
     loader_workers: int = 2
     peak_flops: float | None = None  # per device; measured with a GEMM when None
+    gpus_per_node: int = 8  # where a cell must span nodes (launch only, not the maths)
+
+    @property
+    def nodes(self) -> int:
+        """Nodes the cell spans: GPU cells needing more devices than one node holds."""
+        if self.device == "cpu" or self.devices <= self.gpus_per_node:
+            return 1
+        return -(-self.devices // self.gpus_per_node)
 
     @property
     def global_batch(self) -> int:
@@ -116,6 +124,11 @@ class RunSpec:
                 f"devices: {self.strategy} at {self.devices} devices needs {self.devices} stages "
                 f"but model {self.model_name!r} has only {self.model.n_blocks()} blocks"
             )
+        if self.nodes > 1 and self.devices % self.nodes:
+            out.append(
+                f"devices: {self.devices} devices over {self.nodes} nodes "
+                f"(gpus_per_node {self.gpus_per_node}) is not the same count on every node"
+            )
         if (
             self.strategy == "pipeline"
             and self.schedule == "1f1b"
@@ -149,6 +162,11 @@ class RunSpec:
                 f"nn.DataParallel needs {self.devices} CUDA devices; on CPU it silently runs "
                 "a single copy, so no honest multi-device number exists"
             )
+        if self.nodes > 1 and not uses_torchrun(self.strategy, self.devices):
+            return (
+                f"{self.strategy} runs in one process, which cannot span nodes: "
+                f"{self.devices} devices > gpus_per_node ({self.gpus_per_node})"
+            )
         return None
 
     def to_dict(self) -> dict:
@@ -160,5 +178,6 @@ class RunSpec:
         """Hash of what defines the maths and sizes (not the repeat index)."""
         d = self.to_dict()
         d.pop("repeat")
+        d.pop("gpus_per_node")
         blob = json.dumps(d, sort_keys=True, default=list).encode()
         return hashlib.sha256(blob).hexdigest()[:12]

@@ -30,3 +30,49 @@ rule benchmark:
     shell:
         "parabench guard --out {params.out:q} --timeout {params.timeout} -- "
         "{params.launch} run {params.args} --out {params.out:q} > {log:q} 2>&1"
+
+
+# A cell needing more GPUs than one node has: one srun task per node, each running a
+# torchrun agent; the agents meet at a c10d rendezvous on the allocation's first node,
+# keyed by the job id. `mpi` tells the Slurm plugin not to wrap the command in its own
+# srun; GPUs are asked per node (--gpus is a total, and slurm_extra refuses --gres).
+# The first host is taken with `sed -n 1p`, not `head -n1`: head closes the pipe early
+# and, under pipefail, scontrol's SIGPIPE would fail the job.
+ruleorder: benchmark_multinode > benchmark
+
+
+rule benchmark_multinode:
+    output:
+        meta=f"{RESULTS}/runs/{{model}}/{{strategy}}/n{{devices}}/r{{repeat}}/meta.json",
+        steps=f"{RESULTS}/runs/{{model}}/{{strategy}}/n{{devices}}/r{{repeat}}/steps.csv",
+    conda:
+        "../envs/parabench.yaml"
+    log:
+        "logs/runs/{model}/{strategy}/n{devices}/r{repeat}.log",
+    benchmark:
+        "logs/runs/{model}/{strategy}/n{devices}/r{repeat}.bench.tsv"
+    wildcard_constraints:
+        model=r"[A-Za-z][A-Za-z0-9_]*",
+        strategy="ddp|pipeline|grad_accum",
+        devices=MULTINODE_DEVICES_RE,
+        repeat=r"[0-9]+",
+    threads: lambda wc: min(int(wc.devices), config["gpus_per_node"])
+    resources:
+        mpi="srun",
+        nodes=nodes,
+        tasks=nodes,
+        slurm_extra=lambda wc: f"--gpus-per-node={int(wc.devices) // nodes(wc)}",
+        runtime=lambda wc: int(config["cell_timeout_s"] // 60) + 5,
+    params:
+        args=run_args,
+        timeout=config["cell_timeout_s"],
+        out=lambda wc, output: Path(output.meta).parent,
+        per_node=lambda wc: int(wc.devices) // nodes(wc),
+    shell:
+        'head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p); '
+        "port=$((20000 + SLURM_JOB_ID % 20000)); "
+        "parabench guard --out {params.out:q} --timeout {params.timeout} -- "
+        "{resources.mpi} --nodes={resources.nodes} --ntasks-per-node=1 --kill-on-bad-exit=1 "
+        "torchrun --nnodes={resources.nodes} --nproc-per-node={params.per_node} "
+        '--rdzv-backend=c10d --rdzv-endpoint="$head:$port" --rdzv-id="$SLURM_JOB_ID" '
+        "-m parabench run {params.args} --out {params.out:q} > {log:q} 2>&1"

@@ -45,4 +45,21 @@ def launcher(wc):
 
 
 def gpus(wc):
-    return 0 if config["device"] == "cpu" else int(wc.devices)
+    """GPUs to ask the scheduler for: none for CPU runs and for cells recorded as
+    skipped without running (a job asking for 16 GPUs on 8-GPU nodes would never start)."""
+    spec = _cell(wc).spec
+    if config["device"] == "cpu" or spec.static_skip_reason():
+        return 0
+    return spec.devices
+
+
+# Cells that span nodes (GPU cells needing more than gpus_per_node, torchrun strategies)
+# go to rule benchmark_multinode; a regex that matches nothing when there are none.
+MULTINODE_DEVICES = sorted(
+    {c.spec.devices for c in CELLS.values() if c.spec.nodes > 1 and not c.spec.static_skip_reason()}
+)
+MULTINODE_DEVICES_RE = "|".join(map(str, MULTINODE_DEVICES)) or "(?!)"
+
+
+def nodes(wc):
+    return _cell(wc).spec.nodes
