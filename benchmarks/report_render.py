@@ -61,21 +61,17 @@ def make_cells(root: Path) -> list[Path]:
                             }
                             for i in range(STEPS)
                         ]
-                        records.atomic_write_bytes(out / "params.pt", params)
-                        records.write_steps(out / "steps.csv", rows)
-                        records.write_meta(
-                            out / "meta.json",
-                            {
-                                **ident,
-                                "status": "ok",
-                                "reason": None,
-                                "spec": spec,
-                                "env": env,
-                                "device_type": "cuda",
-                                "emulated": False,
-                                "peak_flops_total": 1e12,
-                                "peak_memory_bytes": 2**30,
-                            },
+                        records.write_ok(
+                            out,
+                            rows,
+                            params,
+                            **ident,
+                            spec=spec,
+                            env=env,
+                            device_type="cuda",
+                            emulated=False,
+                            peak_flops_total=1e12,
+                            peak_memory_bytes=2**30,
                         )
                     metas.append(out / "meta.json")
     return metas

@@ -78,24 +78,18 @@ def make_results(root: Path, repeats: int = 2) -> list[Path]:
                 }
                 for i, t in enumerate(times)
             ]
-            records.atomic_write_bytes(
-                out / "params.pt", _params(0.0 if strategy != "ddp" else DDP_OFFSET)
-            )
-            records.write_steps(out / "steps.csv", rows)
-            records.write_meta(
-                out / "meta.json",
-                {
-                    **ident,
-                    "status": "ok",
-                    "reason": None,
-                    "spec": spec,
-                    "env": env,
-                    "device_type": "cpu",
-                    "emulated": strategy == "model_parallel" and n > 1,
-                    "peak_flops_total": 1e11
-                    * (n if strategy in ("ddp", "pipeline", "grad_accum") else 1),
-                    "peak_memory_bytes": 100 * 2**20 + n,
-                },
+            ranks = n if strategy in ("ddp", "pipeline", "grad_accum") else 1
+            records.write_ok(
+                out,
+                rows,
+                _params(0.0 if strategy != "ddp" else DDP_OFFSET),
+                **ident,
+                spec=spec,
+                env=env,
+                device_type="cpu",
+                emulated=strategy == "model_parallel" and n > 1,
+                peak_flops_total=1e11 * ranks,
+                peak_memory_bytes=100 * 2**20 + n,
             )
             metas.append(out / "meta.json")
     return metas

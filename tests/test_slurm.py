@@ -4,16 +4,16 @@ is an sbatch job that gets exactly the GPUs it asked for, and results and report
 """
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pandas as pd
 import pytest
-import yaml
 from slurm_cluster import local_slurm
 
-from conftest import REPO, require_tool
+from conftest import REPO, require_tool, snakemake
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
@@ -53,28 +53,8 @@ def sweep(tmp_path_factory):
     if os.geteuid() != 0:
         pytest.skip("starting slurmctld/slurmd needs root")
     work = tmp_path_factory.mktemp("slurm-work")
-    (work / "config.yaml").write_text(yaml.safe_dump(CONFIG))
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
     with local_slurm(tmp_path_factory.mktemp("slurm")) as cluster:
-        proc = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "snakemake",
-                "--profile",
-                "profiles/slurm",
-                "--directory",
-                str(work),
-                "--configfile",
-                str(work / "config.yaml"),
-                *OVERLAY,
-            ],
-            cwd=REPO,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=600,
-        )
+        proc = snakemake(work, "--profile", str(REPO / "profiles/slurm"), *OVERLAY, config=CONFIG)
         log = "\n".join(p.read_text()[-2000:] for p in cluster["logs"] if p.exists())
         # Slurm's own record of the jobs (kept MinJobAge after they end).
         jobs = subprocess.run(
@@ -123,28 +103,37 @@ def test_report_shows_the_slurm_jobs(sweep):
         assert job in env_section
 
 
+SLURM_COMMANDS = {
+    "sbatch",
+    "srun",
+    "salloc",
+    "squeue",
+    "sacct",
+    "sinfo",
+    "scontrol",
+    "scancel",
+    "sacctmgr",
+    "sshare",
+    "sstat",
+    "sprio",
+    "sreport",
+    "sdiag",
+}
+
+
 def test_profile_plans_without_slurm(tmp_path):
-    # A machine without Slurm (or before the cluster is up) still gets a plan.
-    (tmp_path / "config.yaml").write_text(yaml.safe_dump(CONFIG))
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}/usr/bin:/bin"}
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "snakemake",
-            "--profile",
-            "profiles/slurm",
-            "-n",
-            "--directory",
-            str(tmp_path),
-            "--configfile",
-            str(tmp_path / "config.yaml"),
-        ],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
+    # A machine without Slurm still gets a plan: hide every Slurm command from PATH.
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for tool in Path("/usr/bin").iterdir():
+        if tool.name not in SLURM_COMMANDS:
+            (bin_dir / tool.name).symlink_to(tool)
+    path = f"{Path(sys.executable).parent}{os.pathsep}{bin_dir}"
+    assert shutil.which("sbatch", path=path) is None
+    work = tmp_path / "work"
+    work.mkdir()
+    proc = snakemake(
+        work, "--profile", str(REPO / "profiles/slurm"), "-n", config=CONFIG, env={"PATH": path}
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "benchmark" in proc.stdout and "This was a dry-run" in proc.stdout

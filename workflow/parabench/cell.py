@@ -143,14 +143,12 @@ def _run(spec: RunSpec, ctx: runtime.Context, out: Path, common: dict, t_start: 
         )
     buf = io.BytesIO()
     torch.save(state, buf)
-    records.atomic_write_bytes(out / "params.pt", buf.getvalue())
-    records.write_steps(out / "steps.csv", rows)
-    records.write_meta(
-        out / "meta.json",
-        {
+    records.write_ok(
+        out,
+        rows,
+        buf.getvalue(),
+        **{
             **cell_identity(spec),
-            "status": "ok",
-            "reason": None,
             "spec": spec.to_dict(),
             "config_hash": spec.config_hash(),
             **common,

@@ -83,6 +83,13 @@ def write_meta(path: Path, meta: dict) -> None:
     )
 
 
+def write_ok(out: Path, rows: list[dict], params: bytes, **fields) -> None:
+    """A cell that ran: parameters, then steps, then meta.json, the commit marker."""
+    atomic_write_bytes(out / "params.pt", params)
+    write_steps(out / "steps.csv", rows)
+    write_meta(out / "meta.json", {"status": "ok", "reason": None, **fields})
+
+
 def write_outcome(out: Path, status: str, reason: str, **fields) -> None:
     """A record without steps (skipped or failed): empty steps.csv, then meta.json."""
     write_steps(out / "steps.csv", [])
