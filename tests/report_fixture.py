@@ -40,7 +40,7 @@ def _params(offset: float) -> bytes:
     return buf.getvalue()
 
 
-def make_results(root: Path, repeats: int = 2) -> list[Path]:
+def make_results(root: Path, repeats: int = 2, scaling: str = "strong") -> list[Path]:
     metas = []
     for (strategy, n), (median, status, reason) in CELLS.items():
         for r in range(repeats):
@@ -50,7 +50,7 @@ def make_results(root: Path, repeats: int = 2) -> list[Path]:
                 "batch_size": BATCH,
                 "steps": 6,
                 "warmup": 2,
-                "scaling": "strong",
+                "scaling": scaling,
                 "model": {"arch": "mlp", "dims": DIMS},
             }
             env = {
@@ -74,7 +74,7 @@ def make_results(root: Path, repeats: int = 2) -> list[Path]:
                     "step_time_s": t,
                     "step_time_min_s": t * 0.9,
                     "loss": 0.7 - 0.01 * i,
-                    "samples": BATCH,
+                    "samples": BATCH * (n if scaling == "weak" else 1),
                 }
                 for i, t in enumerate(times)
             ]

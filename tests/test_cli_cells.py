@@ -41,3 +41,16 @@ def test_cell_writes_its_records(tmp_path, strategy, devices):
     assert meta["env"]["torch"] and meta["threads_per_rank"] >= 1
     if strategy in ("model_parallel", "pipeline"):
         assert len(meta["stage_cuts"]) == devices
+
+
+@pytest.mark.parametrize("strategy, devices", [("single", 1), ("ddp", 2)])
+def test_dataloader_mode_times_the_input_pipeline(tmp_path, strategy, devices):
+    # A real Dataset read sample by sample through DataLoader + DistributedSampler with a
+    # worker process; each rank gets its share, the fetch sits inside the timed step.
+    spec = tiny_spec(strategy, devices, steps=12, warmup=2, data="dataloader", loader_workers=1)
+    meta, proc = run_cell(spec, tmp_path)
+    assert meta["status"] == "ok", f"{meta['reason']}\n{proc.stderr[-2000:]}"
+    assert meta["spec"]["data"] == "dataloader"
+    with open(tmp_path / "steps.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == 12 and {int(r["samples"]) for r in rows} == {64}

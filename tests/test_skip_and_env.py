@@ -4,6 +4,7 @@ environment."""
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import torch
 
@@ -63,7 +64,11 @@ def test_environment_record(monkeypatch):
     assert env["slurm"] == {"SLURM_JOB_ID": "4242", "SLURM_GPUS_ON_NODE": "2"}
     assert env["cuda_visible_devices"] == "0,1"
     assert env["usable_cores"] == len(os.sched_getaffinity(0))
-    assert env["git_commit"] is None or len(env["git_commit"]) >= 40
+    # The checkout parabench runs from, whatever the working directory.
+    head = subprocess.run(
+        ["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, capture_output=True, text=True
+    ).stdout.strip()
+    assert env["git_commit"].removesuffix("-dirty") == head
     for key in (
         "host",
         "cpu_model",

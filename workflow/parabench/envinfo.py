@@ -38,6 +38,9 @@ def cpu_model() -> str:
 
 
 def git_commit(cwd: Path | None = None) -> str | None:
+    """Commit of the parabench checkout that ran (not of the working directory, which is
+    often elsewhere), with -dirty for uncommitted changes; None outside a checkout."""
+    cwd = cwd or Path(__file__).resolve().parent
     try:
         out = subprocess.run(
             ["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True, timeout=5
