@@ -1,18 +1,22 @@
 """Multi-node launch: a GPU cell needing more devices than one node has runs as one
 srun task per node, each a torchrun agent, meeting at a c10d rendezvous on the first
-node. No second host here: fake `srun`/`scontrol` (tests/fake_slurm) run both "nodes" on
-this machine, so two real torchrun agents rendezvous over TCP into one 4-rank job, with
-exactly the command lines the Slurm job would run. What stays unproven: two real hosts
-(network, name resolution, per-node GPU binding by Slurm)."""
+node. Stand-in `srun`/`scontrol` (tests/fake_slurm) run the "nodes" on this machine with
+exactly the command lines the Slurm job would run: first as processes side by side, then
+as two hosts, each in its own network namespace with its own address and hostname,
+joined by a veth pair, so the rendezvous and gloo really cross between two addresses.
+What stays unproven: two physical hosts and a real multi-node Slurm (per-node GPU
+binding, the cluster's network)."""
 
 import json
 import os
+import shutil
+import subprocess
 from pathlib import Path
 
 import pandas as pd
 import pytest
 
-from conftest import snakemake
+from conftest import require_tool, snakemake
 
 pytestmark = pytest.mark.slow
 FAKE = Path(__file__).parent / "fake_slurm"
@@ -83,3 +87,57 @@ def test_single_process_strategies_cannot_span_nodes(run):
     meta = json.loads((work / "results/runs/tiny/dp/n4/r0/meta.json").read_text())
     assert meta["status"] == "skipped"
     assert "cannot span nodes" in meta["reason"]
+
+
+@pytest.fixture
+def two_hosts():
+    """Two network namespaces, node0 (10.77.0.1) and node1 (10.77.0.2), joined by veth;
+    each resolves both names through /etc/netns/NAME/hosts (ip netns exec mounts it)."""
+    require_tool("ip")
+    if os.geteuid() != 0:
+        pytest.skip("network namespaces need root")
+    names = [f"pb{os.getpid() % 100000}n{i}" for i in range(2)]
+    veth = [f"pbv{os.getpid() % 100000}{i}" for i in range(2)]
+
+    def ip(*args: str) -> None:
+        subprocess.run(["ip", *args], check=True, capture_output=True)
+
+    try:
+        ip("link", "add", veth[0], "type", "veth", "peer", "name", veth[1])
+        for i, ns in enumerate(names):
+            ip("netns", "add", ns)
+            ip("-n", ns, "link", "set", "lo", "up")
+            ip("link", "set", veth[i], "netns", ns)
+            ip("-n", ns, "addr", "add", f"10.77.0.{i + 1}/24", "dev", veth[i])
+            ip("-n", ns, "link", "set", veth[i], "up")
+            etc = Path("/etc/netns") / ns
+            etc.mkdir(parents=True, exist_ok=True)
+            (etc / "hosts").write_text("127.0.0.1 localhost\n10.77.0.1 node0\n10.77.0.2 node1\n")
+        yield names
+    finally:
+        for ns in names:
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+            shutil.rmtree(Path("/etc/netns") / ns, ignore_errors=True)
+
+
+def test_ddp_across_two_network_hosts(tmp_path, two_hosts):
+    log = tmp_path / "fake-slurm.log"
+    config = {**CONFIG, "strategies": ["single", "ddp"]}
+    env = {
+        "PATH": f"{FAKE}{os.pathsep}{os.environ['PATH']}",
+        "FAKE_SLURM_LOG": str(log),
+        "FAKE_SLURM_NETNS": " ".join(two_hosts),
+        "FAKE_SLURM_HOSTS": "node0 node1",
+        "SLURM_JOB_ID": str(JOB_ID),
+        "SLURM_JOB_NODELIST": "node[0-1]",
+        "SLURM_NNODES": "2",
+    }
+    proc = snakemake(tmp_path, "--cores", "2", config=config, env=env)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert f"--rdzv-endpoint=node0:{20000 + JOB_ID % 20000}" in log.read_text()
+    meta = json.loads((tmp_path / "results/runs/tiny/ddp/n4/r0/meta.json").read_text())
+    assert meta["status"] == "ok", meta["reason"]
+    assert meta["world_size"] == 4
+    assert meta["hosts"] == ["node0", "node1"], "ranks ran on both hosts"
+    summary = pd.read_csv(tmp_path / "results/summary.csv").set_index(["strategy", "devices"])
+    assert summary.loc[("ddp", 4), "max_abs_param_diff"] <= 1e-6
