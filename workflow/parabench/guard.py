@@ -84,6 +84,7 @@ def guard(out: Path, cmd: list[str], timeout_s: float, identity: dict) -> int:
         text=True,
         errors="replace",
         start_new_session=True,
+        preexec_fn=_die_with_parent,
     )
 
     interrupted: list[int] = []
@@ -104,17 +105,17 @@ def guard(out: Path, cmd: list[str], timeout_s: float, identity: dict) -> int:
         if line:
             sys.stdout.write(line)
             tail.append(line.rstrip("\n"))
-            continue
-        if proc.poll() is not None:
+        elif proc.poll() is not None:
             break
-        if time.monotonic() > deadline and not timed_out:
+        if time.monotonic() > deadline and not timed_out:  # checked even while it prints
             timed_out = True
             _kill_group(proc, signal.SIGTERM)
             try:
                 proc.wait(10)
             except subprocess.TimeoutExpired:
                 _kill_group(proc, signal.SIGKILL)
-        time.sleep(0.05)
+        if not line:
+            time.sleep(0.05)
     rest = proc.stdout.read() or ""
     sys.stdout.write(rest)
     tail.extend(rest.splitlines())
