@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pandas as pd
 import pytest
@@ -73,6 +74,19 @@ def incomplete_outputs(workdir) -> set:
     return out
 
 
+def running_in(workdir) -> list[str]:
+    """Command lines of processes working in `workdir` (the cells of that sweep: their
+    command lines hold relative paths, so their working directory is what names them)."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and Path(os.readlink(proc / "cwd")) == workdir:
+                found.append((proc / "cmdline").read_bytes().replace(b"\0", b" ").decode())
+        except OSError:
+            continue
+    return found
+
+
 def metas(workdir):
     return {p: p.read_text() for p in (workdir / "results/runs").rglob("meta.json")}
 
@@ -90,8 +104,8 @@ def test_interrupted_sweep_resumes_without_rerunning_finished_cells(tmp_path, si
     os.killpg(proc.pid, sig)
     proc.wait(timeout=60)
     time.sleep(2)
-    left = subprocess.run(["pgrep", "-f", f"parabench run.*{tmp_path}"], capture_output=True)
-    assert left.returncode == 1, f"cells still running after {sig.name}: {left.stdout}"
+    left = running_in(tmp_path)
+    assert not left, f"cells still running after {sig.name}: {left}"
 
     # A cell in flight may have written its record before the kill, but Snakemake never
     # saw its job end: it is marked incomplete and must be rerun, never trusted.
