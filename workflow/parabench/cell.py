@@ -26,31 +26,6 @@ class SpecError(ValueError):
     """The cell's settings break a rule; the message names the config key."""
 
 
-def cell_identity(spec: RunSpec) -> dict:
-    return {
-        "model": spec.model_name,
-        "strategy": spec.strategy,
-        "devices": spec.devices,
-        "repeat": spec.repeat,
-    }
-
-
-def write_outcome(out: Path, spec: RunSpec, status: str, reason: str | None, **extra) -> None:
-    """A record without steps: skipped or failed. Also used by `parabench guard`."""
-    records.write_steps(out / "steps.csv", [])
-    records.write_meta(
-        out / "meta.json",
-        {
-            **cell_identity(spec),
-            "status": status,
-            "reason": reason,
-            "spec": spec.to_dict(),
-            "config_hash": spec.config_hash(),
-            **extra,
-        },
-    )
-
-
 def run_cell(spec: RunSpec, out: Path) -> int:
     """Run the cell and write its records under `out`. Returns the process exit code."""
     problems = spec.problems()
@@ -72,18 +47,18 @@ def run_cell(spec: RunSpec, out: Path) -> int:
         reason = cls.skip_reason(spec, ctx)
         if reason:
             if ctx.is_main:
-                write_outcome(out, spec, "skipped", reason, **common)
+                records.write_outcome(out, "skipped", reason, **spec.record_fields(), **common)
             return 0
         _run(spec, ctx, out, common, t_start)
         return 0
     except Exception as e:
         if ctx.is_main:
             tb = traceback.format_exc(limit=-3)
-            write_outcome(
+            records.write_outcome(
                 out,
-                spec,
                 "failed",
                 f"{type(e).__name__}: {e}",
+                **spec.record_fields(),
                 traceback=tb,
                 rank=ctx.rank,
                 **common,
@@ -132,7 +107,7 @@ def _run(spec: RunSpec, ctx: runtime.Context, out: Path, common: dict, t_start: 
         ts = [r["times"][step] for r in per_rank]
         rows.append(
             {
-                **cell_identity(spec),
+                **spec.identity(),
                 "step": step,
                 "phase": "warmup" if step < spec.warmup else "timed",
                 "step_time_s": max(ts),
@@ -148,9 +123,7 @@ def _run(spec: RunSpec, ctx: runtime.Context, out: Path, common: dict, t_start: 
         rows,
         buf.getvalue(),
         **{
-            **cell_identity(spec),
-            "spec": spec.to_dict(),
-            "config_hash": spec.config_hash(),
+            **spec.record_fields(),
             **common,
             "emulated": strategy.emulated,
             "stage_cuts": strategy.stage_cuts,

@@ -62,17 +62,7 @@ def record_static_skip(spec: RunSpec, out: Path, reason: str) -> int:
     from parabench import envinfo, records
 
     records.write_outcome(
-        out,
-        "skipped",
-        reason,
-        model=spec.model_name,
-        strategy=spec.strategy,
-        devices=spec.devices,
-        repeat=spec.repeat,
-        spec=spec.to_dict(),
-        config_hash=spec.config_hash(),
-        env=envinfo.base(),
-        device_type=spec.device,
+        out, "skipped", reason, **spec.record_fields(), env=envinfo.base(), device_type=spec.device
     )
     return 0
 

@@ -169,6 +169,19 @@ class RunSpec:
             )
         return None
 
+    def identity(self) -> dict:
+        """The cell's key in every record and table."""
+        return {
+            "model": self.model_name,
+            "strategy": self.strategy,
+            "devices": self.devices,
+            "repeat": self.repeat,
+        }
+
+    def record_fields(self) -> dict:
+        """What every record of this cell carries: its key, its settings and their hash."""
+        return {**self.identity(), "spec": self.to_dict(), "config_hash": self.config_hash()}
+
     def to_dict(self) -> dict:
         d = asdict(self)
         d["model"] = {"arch": self.model.arch, **dict(self.model.sizes)}
