@@ -14,7 +14,11 @@ ARGS   ?=
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.parabench-installed
 
-.PHONY: run test lint bench clean
+# The GPU check runs with whatever python has a CUDA torch: the venv's if there is one,
+# else python3 (a GPU image with torch but no Snakemake needs nothing else).
+GPU_PYTHON ?= $(if $(wildcard $(BIN)/python),$(BIN)/python,python3)
+
+.PHONY: run test lint bench gpu-check clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -38,6 +42,12 @@ test: $(STAMP) lint
 bench: $(STAMP)
 	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python benchmarks/single_overhead.py
 	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python benchmarks/pipeline_wall.py
+	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python benchmarks/sharded_overhead.py
+
+gpu-check:
+	PYTHONPATH="$(abspath workflow):$$PYTHONPATH" $(GPU_PYTHON) -m parabench sweep \
+	  config/gpu-check.yaml --devices auto $(ARGS)
+	@echo "report: results/gpu-check/report.html"
 
 clean:
 	rm -rf results logs .snakemake

@@ -13,8 +13,7 @@ import pytest
 import torch
 import yaml
 
-from parabench.catalog import uses_torchrun
-from parabench.cli import spec_argv
+from parabench import launch
 from parabench.spec import ModelSpec, RunSpec
 
 REPO = Path(__file__).resolve().parents[1]
@@ -38,18 +37,7 @@ def tiny_spec(strategy: str, devices: int, **kw) -> RunSpec:
 
 def launch_argv(spec: RunSpec, out: Path) -> list[str]:
     """The command the workflow would run for this cell, with this interpreter."""
-    if uses_torchrun(spec.strategy, spec.devices):
-        head = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node",
-            str(spec.devices),
-        ]
-    else:
-        head = [sys.executable]
-    return [*head, "-m", "parabench", "run", *spec_argv(spec), "--out", str(out)]
+    return launch.launch_argv(spec, out, python=sys.executable)
 
 
 def run_cell(

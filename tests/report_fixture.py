@@ -11,7 +11,9 @@ import torch
 from conftest import REPO
 from parabench import records
 from parabench.aggregate import aggregate
+from parabench.config import cell_path
 from parabench.report import render
+from parabench.spec import ModelSpec, RunSpec
 
 XSS = "<script>alert(1)</script>"
 # (strategy, devices) -> (median step seconds, status, reason)
@@ -40,28 +42,39 @@ def _params(offset: float) -> bytes:
     return buf.getvalue()
 
 
-def make_results(root: Path, repeats: int = 2, scaling: str = "strong") -> list[Path]:
+# single's parameters move this far from their initial values; its reversed-order
+# replay lands REORDER_REL of that away (see parabench.equivalence).
+TRAVEL, REORDER_REL = 4.0, 1e-7
+
+
+def make_results(
+    root: Path, repeats: int = 2, scaling: str = "strong", cells: dict = CELLS
+) -> list[Path]:
     metas = []
-    for (strategy, n), (median, status, reason) in CELLS.items():
+    for (strategy, n), (median, status, reason) in cells.items():
         for r in range(repeats):
-            out = root / "runs" / "m" / strategy / f"n{n}" / f"r{r}"
-            ident = {"model": "m", "strategy": strategy, "devices": n, "repeat": r}
-            spec = {
-                "batch_size": BATCH,
-                "steps": 6,
-                "warmup": 2,
-                "scaling": scaling,
-                "model": {"arch": "mlp", "dims": DIMS},
-            }
+            spec = RunSpec(
+                strategy=strategy,
+                devices=n,
+                model_name="m",
+                model=ModelSpec.of("mlp", dims=DIMS),
+                batch_size=BATCH,
+                steps=6,
+                warmup=2,
+                scaling=scaling,
+                repeat=r,
+                device="cpu",
+            )
+            out = root / cell_path(spec)
+            ident = spec.identity()
+            fields = spec.record_fields()
             env = {
                 "host": XSS if strategy == "ddp" else "node1",
                 "torch": "2.13.0+cpu",
                 "launch_command": ["torchrun", "--nproc-per-node", str(n)],
             }
             if status != "ok":
-                records.write_outcome(
-                    out, status, reason, **ident, spec=spec, env=env, device_type="cpu"
-                )
+                records.write_outcome(out, status, reason, **fields, env=env, device_type="cpu")
                 metas.append(out / "meta.json")
                 continue
             # Timed steps around the median; repeat 1 a little slower than repeat 0.
@@ -78,13 +91,20 @@ def make_results(root: Path, repeats: int = 2, scaling: str = "strong") -> list[
                 }
                 for i, t in enumerate(times)
             ]
-            ranks = n if strategy in ("ddp", "pipeline", "grad_accum") else 1
+            ranks = n if spec.record.uses_torchrun(n) else 1
+            reference = (
+                {"param_travel": TRAVEL, "reorder_rel_diff": REORDER_REL}
+                if strategy == "single"
+                else {}
+            )
+            held = {"params": 4000 // n, "grads": 4000 // n, "optimizer": 8000 // n}
             records.write_ok(
                 out,
                 rows,
                 _params(0.0 if strategy != "ddp" else DDP_OFFSET),
-                **ident,
-                spec=spec,
+                **fields,
+                **reference,
+                held_bytes_per_rank=[held] * ranks,
                 env=env,
                 device_type="cpu",
                 emulated=strategy == "model_parallel" and n > 1,

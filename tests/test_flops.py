@@ -3,13 +3,13 @@ import itertools
 from torch import nn
 
 from parabench.flops import block_flops, step_flops
-from parabench.models import Model, build
+from parabench.models import Model, build, features_batch
 from parabench.spec import ModelSpec
 
 
 def two_layer() -> Model:
     blocks = nn.Sequential(nn.Sequential(nn.Linear(10, 5), nn.ReLU()), nn.Linear(5, 3))
-    return Model(blocks, nn.CrossEntropyLoss(), in_features=10, target="classes", classes=3)
+    return Model(blocks, nn.CrossEntropyLoss(), features_batch(10, 3))
 
 
 def test_known_model_counts_exactly():

@@ -73,7 +73,9 @@ def test_srun_and_torchrun_receive_the_multinode_launch(run):
 def test_two_agents_formed_one_job_that_matches_single(run):
     work, _ = run
     for strategy in ("ddp", "pipeline"):
-        meta = json.loads((work / f"results/runs/tiny/{strategy}/n4/r0/meta.json").read_text())
+        meta = json.loads(
+            (work / f"results/runs/tiny/fp32-sgd/{strategy}/n4/r0/meta.json").read_text()
+        )
         assert meta["status"] == "ok", meta["reason"]
         assert meta["world_size"] == 4 and meta["threads_per_rank"] >= 1
         assert len(meta["peak_memory_per_rank"]) == 4
@@ -84,7 +86,7 @@ def test_two_agents_formed_one_job_that_matches_single(run):
 
 def test_single_process_strategies_cannot_span_nodes(run):
     work, _ = run
-    meta = json.loads((work / "results/runs/tiny/dp/n4/r0/meta.json").read_text())
+    meta = json.loads((work / "results/runs/tiny/fp32-sgd/dp/n4/r0/meta.json").read_text())
     assert meta["status"] == "skipped"
     assert "cannot span nodes" in meta["reason"]
 
@@ -135,7 +137,7 @@ def test_ddp_across_two_network_hosts(tmp_path, two_hosts):
     proc = snakemake(tmp_path, "--cores", "2", config=config, env=env)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert f"--rdzv-endpoint=node0:{20000 + JOB_ID % 20000}" in log.read_text()
-    meta = json.loads((tmp_path / "results/runs/tiny/ddp/n4/r0/meta.json").read_text())
+    meta = json.loads((tmp_path / "results/runs/tiny/fp32-sgd/ddp/n4/r0/meta.json").read_text())
     assert meta["status"] == "ok", meta["reason"]
     assert meta["world_size"] == 4
     assert meta["hosts"] == ["node0", "node1"], "ranks ran on both hosts"

@@ -11,6 +11,9 @@ def test_step_columns_are_the_documented_contract():
     assert list(records.STEP_COLUMNS) == [
         "schema_version",
         "model",
+        "precision",
+        "optimizer",
+        "compile",
         "strategy",
         "devices",
         "repeat",
@@ -27,6 +30,9 @@ def test_step_columns_are_the_documented_contract():
 def test_steps_csv_has_header_version_and_rows(tmp_path):
     row = {
         "model": "m",
+        "precision": "fp32",
+        "optimizer": "sgd",
+        "compile": False,
         "strategy": "ddp",
         "devices": 2,
         "repeat": 0,
@@ -50,12 +56,18 @@ def test_meta_round_trip_and_status_is_checked(tmp_path):
         "status": "skipped",
         "reason": "no GPUs",
         "model": "m",
+        "precision": "fp32",
+        "optimizer": "sgd",
+        "compile": False,
         "strategy": "dp",
         "devices": 2,
         "repeat": 0,
     }
     records.write_meta(tmp_path / "meta.json", meta)
-    assert records.read_meta(tmp_path / "meta.json") == {"schema_version": 1, **meta}
+    assert records.read_meta(tmp_path / "meta.json") == {
+        "schema_version": records.SCHEMA_VERSION,
+        **meta,
+    }
     with pytest.raises(ValueError, match="status"):
         records.write_meta(tmp_path / "x.json", {**meta, "status": "great"})
 
@@ -65,7 +77,7 @@ def test_meta_round_trip_and_status_is_checked(tmp_path):
     [
         ("{not json", "unreadable"),
         (json.dumps({"schema_version": 99, "status": "ok"}), "schema version 99"),
-        (json.dumps({"schema_version": 1, "status": "ok"}), "lacks"),
+        (json.dumps({"schema_version": records.SCHEMA_VERSION, "status": "ok"}), "lacks"),
         ("[]", "not a JSON object"),
     ],
 )

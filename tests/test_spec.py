@@ -76,5 +76,22 @@ def test_config_hash_ignores_repeat_but_not_maths():
 
 
 def test_unknown_strategy_is_named():
-    spec = RunSpec(strategy="fsdp", devices=1, model_name="t", model=TINY_MLP, batch_size=8)
-    assert spec.problems()[0].startswith("strategies: unknown strategy 'fsdp'")
+    spec = RunSpec(strategy="fsdp3", devices=1, model_name="t", model=TINY_MLP, batch_size=8)
+    assert spec.problems()[0].startswith("strategies: unknown strategy 'fsdp3'")
+
+
+def test_every_cell_round_trips_through_its_launch_command():
+    # The workflow plans a cell from the config, the cell parses its command line: both
+    # must be the same settings with the same hash, or records would not match the plan.
+    from parabench.cli import spec_from_launch
+    from parabench.launch import launch_argv
+
+    cfg = config(precision=["fp32", "bf16"], optimizer="adamw", compile=[False, True])
+    cfg["timeout_s"] = 300  # an int from YAML; the command line gives back a float
+    planned = cells(cfg)
+    assert len(planned) == (1 + 5 * 3) * 2 * 2 * 2
+    for cell in planned:
+        back = spec_from_launch(launch_argv(cell.spec, "out"))
+        assert back == cell.spec, cell.path
+        assert back.config_hash() == cell.spec.config_hash()
+        assert RunSpec.from_dict(cell.spec.to_dict()) == cell.spec

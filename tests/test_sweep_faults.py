@@ -15,6 +15,7 @@ import pandas as pd
 import pytest
 
 from conftest import snakemake
+from parabench import records
 from report_fixture import make_results
 
 pytestmark = pytest.mark.slow
@@ -139,7 +140,7 @@ def test_interrupted_sweep_resumes_without_rerunning_finished_cells(tmp_path, si
     [
         ("truncate", "unreadable results metadata"),
         ("version", "results schema version 0"),
-        ("columns", "do not match schema v1"),
+        ("columns", f"do not match schema v{records.SCHEMA_VERSION}"),
     ],
 )
 def test_aggregate_refuses_untrustworthy_results_naming_the_file(tmp_path, damage, message):
@@ -148,7 +149,8 @@ def test_aggregate_refuses_untrustworthy_results_naming_the_file(tmp_path, damag
     if damage == "truncate":
         bad.write_text(bad.read_text()[:40])
     elif damage == "version":
-        bad.write_text(bad.read_text().replace('"schema_version": 1', '"schema_version": 0'))
+        version = f'"schema_version": {records.SCHEMA_VERSION}'
+        bad.write_text(bad.read_text().replace(version, '"schema_version": 0'))
     else:
         steps = bad.parent / "steps.csv"
         steps.write_text(steps.read_text().replace("step_time_s", "seconds", 1))
@@ -182,8 +184,8 @@ def test_aggregate_refuses_untrustworthy_results_naming_the_file(tmp_path, damag
 @pytest.mark.parametrize(
     "over, key",
     [
-        ({"strategies": ["fsdp"]}, "strategies"),
-        ({"models": {"tiny": {**TINY, "arch": "gpt"}}}, "arch"),
+        ({"strategies": ["fsdp3"]}, "strategies"),
+        ({"models": {"tiny": {**TINY, "arch": "transformer"}}}, "arch"),
         ({"bogus": 1}, "'bogus' was unexpected"),
         ({"devices": [0]}, "devices"),
         ({"devices": [1.5]}, "devices"),

@@ -2,32 +2,42 @@
 
 - steps.csv: every step of every `ok` cell (warm-up rows kept, marked).
 - cells.csv: one row per cell (one launch): its statistics over timed steps, status,
-  reason, environment, launch command, and its parameter difference to `single`.
-- summary.csv: one row per (model, strategy, devices) over repeats.
+  reason, environment, launch command, what each rank held, and its parameter
+  difference to `single` with the equivalence verdict.
+- summary.csv: one row per (model, precision, optimizer, compile, strategy, devices),
+  over repeats.
 
-Speedup is throughput(strategy, n) / throughput(single, 1). Under strong scaling (same
-global batch) that equals T(single) / T(strategy, n); under weak scaling (per-device
-batch fixed) it is the throughput ratio. Efficiency = speedup / n in both cases.
+Speedup is throughput(strategy, n) / throughput(single, 1) of the same model, precision,
+optimizer and compile setting. Under strong scaling (same global batch) that equals
+T(single) / T(strategy, n); under weak scaling (per-device batch fixed) it is the
+throughput ratio. Efficiency = speedup / n in both cases.
+
+Any mix of outcomes merges: every cell failed or skipped, no `single`, one model
+entirely failed. Figures that need a cell that did not run are left empty.
 """
 
 from __future__ import annotations
 
 import csv
 import functools
-import json
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 import torch
 
-from parabench import records
+from parabench import equivalence, records
+from parabench.catalog import record
 from parabench.flops import step_flops
-from parabench.models import build
-from parabench.spec import ModelSpec
+from parabench.models import build, maths_notes
+from parabench.records import CELL_KEYS, SUMMARY_KEYS, VARIANT_KEYS
+from parabench.spec import ModelSpec, RunSpec
 
 SUMMARY_COLUMNS: dict[str, str] = {
     "model": "model label",
+    "precision": "fp32 or bf16",
+    "optimizer": "sgd or adamw",
+    "compile": "each block's forward under torch.compile",
     "strategy": "strategy",
     "devices": "devices",
     "scaling": "strong (global batch fixed) or weak (per-device batch fixed)",
@@ -42,48 +52,89 @@ SUMMARY_COLUMNS: dict[str, str] = {
     "step_time_p50_s": "median over all timed steps of all repeats",
     "step_time_p90_s": "90th percentile over all timed steps of all repeats",
     "throughput": "samples per second = global_batch / step_time_s",
-    "speedup": "throughput / throughput of single at 1 device, same model",
+    "tokens_per_s": "language models: tokens per second = throughput x tokens per sample",
+    "speedup": "throughput / throughput of single at 1 device, same model and variant",
     "efficiency": "speedup / devices",
     "flops_per_step": "FLOPs of one optimizer step (FlopCounterMode)",
     "achieved_flops": "flops_per_step / step_time_s",
-    "mfu": "achieved_flops / peak FLOP/s of the devices used",
+    "mfu": "achieved_flops / peak FLOP/s of the devices used, in the cell's precision",
     "peak_memory_bytes": "max over repeats of the peak per device",
+    "params_bytes": "parameter bytes held by the fullest rank between steps",
+    "grads_bytes": "gradient bytes held by the fullest rank between steps",
+    "optimizer_bytes": "optimizer-state bytes held by the fullest rank between steps",
     "max_abs_param_diff": "largest |parameter - single's| after the run, over repeats",
+    "rel_param_diff": "‖params - single's‖ / ‖single's - initial‖, max over repeats",
+    "equivalence_tol": "rel_param_diff allowed: 25 x single's reversed-order distance",
+    "equivalent": "True: same maths as single; False: differs; empty: not comparable",
+    "likely_cause": "where a cell differs: the model's layers that change under this split",
     "emulated": "true when devices were stand-ins (stages all on one CPU)",
 }
 
+# Filled from the ok cells only; NaN where none ran.
+_OK_COLUMNS = (
+    "tokens_per_sample",
+    "step_time_median_s",
+    "step_time_p90_s",
+    "step_time_mean_s",
+    "timed_steps",
+    "final_loss",
+    "flops_per_step",
+)
+
+
+def _env_columns(meta: dict) -> dict:
+    env = meta.get("env", {})
+    slurm = env.get("slurm", {})
+    return {
+        "host": env.get("host", ""),
+        "torch": env.get("torch", ""),
+        "cuda": env.get("cuda") or "",
+        "nccl": env.get("nccl") or "",
+        "device_names": ", ".join(env.get("device_names") or []),
+        "cpu_model": env.get("cpu_model", ""),
+        "python": env.get("python", ""),
+        "git_commit": env.get("git_commit") or "",
+        "start_time": env.get("start_time", ""),
+        "slurm_job_id": slurm.get("SLURM_JOB_ID", ""),
+        "gpus_given": slurm.get("SLURM_GPUS_ON_NODE", ""),
+        "cuda_visible_devices": env.get("cuda_visible_devices") or "",
+        "launch_command": " ".join(env.get("launch_command", [])),
+    }
+
+
+def _held(meta: dict, kind: str) -> float:
+    """Bytes of `kind` held by the fullest rank (NaN when not recorded)."""
+    per_rank = meta.get("held_bytes_per_rank") or []
+    return max((r[kind] for r in per_rank), default=np.nan)
+
 
 def _cell_row(meta_path: Path, meta: dict) -> tuple[dict, pd.DataFrame | None]:
-    spec = meta.get("spec", {})
-    env = meta.get("env", {})
-    row = {k: meta[k] for k in records.META_KEYS if k != "schema_version"}
+    try:
+        spec = RunSpec.from_dict(meta["spec"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise records.ResultsError(f"{meta_path}: unreadable cell settings ({e})") from e
+    row = {k: meta[k] for k in CELL_KEYS}
     row.update(
         {
+            "status": meta["status"],
             "reason": meta.get("reason") or "",
-            "scaling": spec.get("scaling", "strong"),
-            "global_batch": spec.get("batch_size", 0)
-            * (meta["devices"] if spec.get("scaling") == "weak" else 1),
-            "steps": spec.get("steps"),
-            "warmup": spec.get("warmup"),
+            "scaling": spec.scaling,
+            "global_batch": spec.global_batch,
+            "steps": spec.steps,
+            "warmup": spec.warmup,
             "device_type": meta.get("device_type", ""),
             "emulated": bool(meta.get("emulated", False)),
             "peak_flops_total": meta.get("peak_flops_total", np.nan),
             "peak_memory_bytes": meta.get("peak_memory_bytes", np.nan),
-            "host": env.get("host", ""),
-            "torch": env.get("torch", ""),
-            "cuda": env.get("cuda") or "",
-            "nccl": env.get("nccl") or "",
-            "device_names": ", ".join(env.get("device_names") or []),
-            "cpu_model": env.get("cpu_model", ""),
-            "python": env.get("python", ""),
-            "git_commit": env.get("git_commit") or "",
-            "start_time": env.get("start_time", ""),
-            "slurm_job_id": env.get("slurm", {}).get("SLURM_JOB_ID", ""),
-            "gpus_given": env.get("slurm", {}).get("SLURM_GPUS_ON_NODE", ""),
-            "cuda_visible_devices": env.get("cuda_visible_devices") or "",
+            "params_bytes": _held(meta, "params"),
+            "grads_bytes": _held(meta, "grads"),
+            "optimizer_bytes": _held(meta, "optimizer"),
+            "param_travel": meta.get("param_travel", np.nan),
+            "reorder_rel_diff": meta.get("reorder_rel_diff", np.nan),
+            **_env_columns(meta),
             "config_hash": meta.get("config_hash", ""),
-            "launch_command": " ".join(env.get("launch_command", [])),
             "dir": str(meta_path.parent),
+            "model_spec": spec.model,  # in memory only: dropped before cells.csv
         }
     )
     if meta["status"] != "ok":
@@ -98,8 +149,10 @@ def _cell_row(meta_path: Path, meta: dict) -> tuple[dict, pd.DataFrame | None]:
     timed = steps.loc[steps["phase"] == "timed", "step_time_s"]
     if timed.empty or timed.isna().any():
         raise records.ResultsError(f"{steps_path}: no valid timed steps")
+    facts = _model_facts(spec.model, spec.global_batch)
     row.update(
-        flops_per_step=_flops(spec["model"], row["global_batch"]),
+        flops_per_step=facts["flops"],
+        tokens_per_sample=facts["tokens_per_sample"],
         step_time_median_s=timed.median(),
         step_time_p90_s=timed.quantile(0.9),
         step_time_mean_s=timed.mean(),
@@ -110,25 +163,40 @@ def _cell_row(meta_path: Path, meta: dict) -> tuple[dict, pd.DataFrame | None]:
 
 
 @functools.cache
-def _flops_cached(arch: str, sizes: str, batch: int) -> int:
-    model = build(ModelSpec.of(arch, **json.loads(sizes)), seed=0)
-    return step_flops(model, batch)
+def _model_facts(spec: ModelSpec, batch: int) -> dict:
+    """What the model alone decides, the same for every strategy, so found here once
+    per model rather than in every cell: FLOPs of one optimizer step (FlopCounterMode's
+    first use imports torch._dynamo: two seconds per process), tokens per sample, and
+    its layers whose maths changes when the batch is split."""
+    model = build(spec, seed=0)
+    try:
+        flops = step_flops(model, batch)
+    except Exception:  # a custom model that cannot run on meta tensors: no FLOPs, no MFU
+        flops = np.nan
+    return {
+        "flops": flops,
+        "tokens_per_sample": model.tokens_per_sample or np.nan,
+        "notes": maths_notes(model),
+    }
 
 
-def _flops(model: dict, batch: int) -> int:
-    """FLOPs of one optimizer step: a property of the model and global batch, the same
-    for every strategy, so counted here once per model rather than in every cell
-    (FlopCounterMode's first use imports torch._dynamo: two seconds per process)."""
-    sizes = {k: v for k, v in model.items() if k != "arch"}
-    return _flops_cached(model["arch"], json.dumps(sizes, sort_keys=True), int(batch))
+def likely_cause(spec: ModelSpec, strategy: str, batch: int) -> str:
+    """Why a cell that differs from single may differ: the model's batch-dependent or
+    random layers, when the strategy splits the batch (or for random layers, always)."""
+    notes = _model_facts(spec, batch)["notes"]
+    if record(strategy).batch_split is None:
+        notes = [n for n in notes if "random" in n]
+    return "; ".join(notes)
 
 
-def _param_diffs(cells: pd.DataFrame) -> pd.Series:
-    """Max |param - single's| per cell, against single's cell of the same model and
-    repeat, where both ran the same global batches (strong scaling) for the same steps."""
-    out = pd.Series(np.nan, index=cells.index)
+def _param_diffs(cells: pd.DataFrame) -> pd.DataFrame:
+    """Each ok cell's parameters against single's of the same model, variant and repeat,
+    where both ran the same global batches (strong scaling) for the same steps: the
+    largest difference, the relative one, its tolerance and the verdict."""
+    cols = ["max_abs_param_diff", "rel_param_diff", "equivalence_tol", "equivalent", "likely_cause"]
+    out = pd.DataFrame({c: pd.Series(np.nan, index=cells.index, dtype=object) for c in cols})
     ok = cells[cells["status"] == "ok"]
-    refs = ok[ok["strategy"] == "single"].set_index(["model", "repeat"])
+    refs = ok[ok["strategy"] == "single"].set_index([*VARIANT_KEYS, "repeat"])
     cache: dict[str, dict] = {}
 
     def load(d: str) -> dict:
@@ -137,7 +205,7 @@ def _param_diffs(cells: pd.DataFrame) -> pd.Series:
         return cache[d]
 
     for i, c in ok.iterrows():
-        key = (c["model"], c["repeat"])
+        key = tuple(c[k] for k in (*VARIANT_KEYS, "repeat"))
         if key not in refs.index or c["scaling"] != "strong":
             continue
         ref = refs.loc[key]
@@ -148,46 +216,67 @@ def _param_diffs(cells: pd.DataFrame) -> pd.Series:
             raise records.ResultsError(
                 f"{c['dir']}/params.pt: parameter names differ from single's"
             )
-        out[i] = max((a[k].double() - b[k].double()).abs().max().item() for k in a)
+        rel = equivalence.l2_diff(a, b) / ref["param_travel"] if ref["param_travel"] else 0.0
+        tol = equivalence.tolerance(ref["reorder_rel_diff"])
+        same = bool(rel <= tol)
+        cause = "" if same else likely_cause(c["model_spec"], c["strategy"], c["global_batch"])
+        out.loc[i, cols] = [equivalence.max_abs_diff(a, b), rel, tol, same, cause]
+    for c in cols[:3]:
+        out[c] = out[c].astype(float)
     return out
 
 
+def _one(g: pd.DataFrame) -> pd.Series:
+    """Summary of one (model, variant, strategy, devices) over its repeats."""
+    ok = g[g["status"] == "ok"]
+    not_ok = g[g["status"] != "ok"]
+    status = "ok" if len(ok) else ("failed" if (g["status"] == "failed").any() else "skipped")
+    med = ok["step_time_median_s"]
+    verdicts = ok["equivalent"].dropna()
+    return pd.Series(
+        {
+            "scaling": g["scaling"].iloc[0],
+            "status": status,
+            "reason": not_ok["reason"].iloc[0] if len(not_ok) else "",
+            "repeats_ok": len(ok),
+            "repeats_total": len(g),
+            "global_batch": g["global_batch"].iloc[0],
+            "step_time_s": med.median(),
+            "step_time_min_s": med.min(),
+            "step_time_max_s": med.max(),
+            "flops_per_step": ok["flops_per_step"].median(),
+            "peak_flops_total": ok["peak_flops_total"].median(),
+            "peak_memory_bytes": ok["peak_memory_bytes"].max(),
+            "params_bytes": ok["params_bytes"].max(),
+            "grads_bytes": ok["grads_bytes"].max(),
+            "optimizer_bytes": ok["optimizer_bytes"].max(),
+            "max_abs_param_diff": ok["max_abs_param_diff"].max(),
+            "rel_param_diff": ok["rel_param_diff"].max(),
+            "equivalence_tol": ok["equivalence_tol"].min(),
+            "equivalent": bool(verdicts.all()) if len(verdicts) else None,
+            "likely_cause": "; ".join(
+                dict.fromkeys(c for c in ok["likely_cause"] if isinstance(c, str) and c)
+            ),
+            "tokens_per_sample": ok["tokens_per_sample"].median(),
+            "emulated": bool(ok["emulated"].any()),
+        }
+    )
+
+
 def summarize(cells: pd.DataFrame, steps: pd.DataFrame) -> pd.DataFrame:
-    keys = ["model", "strategy", "devices"]
+    keys = list(SUMMARY_KEYS)
     timed = steps[steps["phase"] == "timed"]
     pooled = timed.groupby(keys)["step_time_s"].agg(
         step_time_p50_s="median", step_time_p90_s=lambda s: s.quantile(0.9)
     )
-
-    def one(g: pd.DataFrame) -> pd.Series:
-        ok = g[g["status"] == "ok"]
-        not_ok = g[g["status"] != "ok"]
-        status = "ok" if len(ok) else ("failed" if (g["status"] == "failed").any() else "skipped")
-        med = ok["step_time_median_s"]
-        return pd.Series(
-            {
-                "scaling": g["scaling"].iloc[0],
-                "status": status,
-                "reason": not_ok["reason"].iloc[0] if len(not_ok) else "",
-                "repeats_ok": len(ok),
-                "repeats_total": len(g),
-                "global_batch": g["global_batch"].iloc[0],
-                "step_time_s": med.median(),
-                "step_time_min_s": med.min(),
-                "step_time_max_s": med.max(),
-                "flops_per_step": ok["flops_per_step"].median(),
-                "peak_flops_total": ok["peak_flops_total"].median(),
-                "peak_memory_bytes": ok["peak_memory_bytes"].max(),
-                "max_abs_param_diff": ok["max_abs_param_diff"].max(),
-                "emulated": bool(ok["emulated"].any()),
-            }
-        )
-
-    summary = cells.groupby(keys, sort=False).apply(one, include_groups=False)
+    summary = cells.groupby(keys, sort=False).apply(_one, include_groups=False)
     summary = summary.join(pooled).reset_index()
     summary["throughput"] = summary["global_batch"] / summary["step_time_s"]
+    summary["tokens_per_s"] = summary["throughput"] * summary["tokens_per_sample"]
     base = summary[(summary["strategy"] == "single") & (summary["devices"] == 1)]
-    base_thr = summary["model"].map(base.set_index("model")["throughput"])
+    base_thr = summary.join(
+        base.set_index(list(VARIANT_KEYS))["throughput"].rename("base"), on=list(VARIANT_KEYS)
+    )["base"]
     summary["speedup"] = summary["throughput"] / base_thr
     summary["efficiency"] = summary["speedup"] / summary["devices"]
     summary["achieved_flops"] = summary["flops_per_step"] / summary["step_time_s"]
@@ -203,26 +292,20 @@ def load_cells(meta_paths: list[Path]) -> tuple[pd.DataFrame, pd.DataFrame]:
         if steps is not None:
             frames.append(steps)
     cells = pd.DataFrame(rows)
+    for col in _OK_COLUMNS:
+        if col not in cells:
+            cells[col] = np.nan
     steps = (
         pd.concat(frames, ignore_index=True)
         if frames
         else pd.DataFrame(columns=list(records.STEP_COLUMNS))
     )
-    for col in (
-        "step_time_median_s",
-        "step_time_p90_s",
-        "step_time_mean_s",
-        "timed_steps",
-        "final_loss",
-    ):
-        if col not in cells:
-            cells[col] = np.nan
-    cells["max_abs_param_diff"] = _param_diffs(cells)
-    return cells, steps
+    return cells.join(_param_diffs(cells)), steps
 
 
 def aggregate(meta_paths: list[Path], steps_out: Path, summary_out: Path, cells_out: Path) -> None:
     cells, steps = load_cells(meta_paths)
     summary = summarize(cells, steps)
+    cells = cells.drop(columns="model_spec")
     for df, path in ((steps, steps_out), (cells, cells_out), (summary, summary_out)):
         records.atomic_write_bytes(Path(path), df.to_csv(index=False).encode())

@@ -14,12 +14,13 @@ from pathlib import Path
 
 import torch
 
-from parabench import envinfo, faults, records, runtime, strategies
+from parabench import envinfo, equivalence, faults, profiling, records, runtime, strategies
 from parabench.data import LoaderBatches, SyntheticBatches
-from parabench.loop import all_ranks, measure, peak_memory
-from parabench.models import build
+from parabench.loop import all_ranks, measure
+from parabench.models import Model, build
 from parabench.peak import gemm_flops_per_s
 from parabench.spec import RunSpec
+from parabench.strategies.base import Strategy, cpu_params
 
 
 class SpecError(ValueError):
@@ -50,6 +51,7 @@ def run_cell(spec: RunSpec, out: Path) -> int:
                 records.write_outcome(out, "skipped", reason, **spec.record_fields(), **common)
             return 0
         _run(spec, ctx, out, common, t_start)
+        runtime.finish(ctx)
         return 0
     except Exception as e:
         if ctx.is_main:
@@ -68,18 +70,42 @@ def run_cell(spec: RunSpec, out: Path) -> int:
         runtime.stop(ctx)
 
 
+def batch_source(model: Model, spec: RunSpec, strategy: Strategy):
+    """This process's batches: synthetic (default) or through a DataLoader."""
+    args = (model, spec.global_batch, spec.seed, strategy.shard, strategy.data_device)
+    if spec.data == "dataloader":
+        return LoaderBatches(*args, workers=spec.loader_workers)
+    return SyntheticBatches(*args)
+
+
+def reorder_spread(spec: RunSpec, ctx: runtime.Context, reference: dict) -> dict:
+    """Train `single` once more from the same weights on the same batches, each batch's
+    samples in reverse order: the same maths summed in another order. Its distance from
+    the timed run is the rounding floor the equivalence tolerance is built on (see
+    equivalence.py). Eager even when the cell compiles, to spare a second compilation."""
+    model = build(spec.model, spec.seed)
+    initial = cpu_params(model.blocks)
+    replica = strategies.get(spec.strategy)(model, spec, ctx)
+    batches = batch_source(model, spec, replica)
+    for step in range(spec.steps):
+        x, y = batches.batch(step)
+        replica.step(x.flip(0), y.flip(0))
+    state = replica.full_state()
+    travel = equivalence.l2_diff(reference, initial)
+    return {
+        "param_travel": travel,
+        "reorder_max_abs_diff": equivalence.max_abs_diff(state, reference),
+        "reorder_rel_diff": equivalence.l2_diff(state, reference) / travel if travel else 0.0,
+    }
+
+
 def _run(spec: RunSpec, ctx: runtime.Context, out: Path, common: dict, t_start: float) -> None:
     model = build(spec.model, spec.seed)
-    strategy = strategies.get(spec.strategy)(model, spec, ctx)
-
-    batch_args = (model, spec.global_batch, spec.seed, strategy.shard, strategy.data_device)
-    if spec.data == "dataloader":
-        batches = LoaderBatches(*batch_args, workers=spec.loader_workers)
-    else:
-        batches = SyntheticBatches(*batch_args)
+    strategy = strategies.build(model, spec, ctx)
+    batches = batch_source(model, spec, strategy)
 
     physical = strategy.devices()  # distinct devices: one for emulated stages
-    peak_device = spec.peak_flops or gemm_flops_per_s(physical[0])
+    peak_device = spec.peak_flops or gemm_flops_per_s(physical[0], precision=spec.precision)
     for d in physical:
         if d.type == "cuda":
             torch.cuda.reset_peak_memory_stats(d)
@@ -88,19 +114,24 @@ def _run(spec: RunSpec, ctx: runtime.Context, out: Path, common: dict, t_start: 
     fault = faults.for_cell(spec.model_name, spec.strategy, spec.devices, spec.repeat, ctx.rank)
     measured = measure(strategy, batches, spec.steps, fault)
 
-    state = strategy.full_state()
+    held = strategy.held_bytes()  # between steps: what the rank keeps, not transients
+    state = strategy.full_state()  # before the profiled steps move the parameters on
+    profiled = profiling.profile_steps(strategy, batches, spec.steps, spec.profile_steps, ctx, out)
     per_rank = all_ranks(
         {
             "times": measured.times,
             "losses": measured.losses,
             "host": common["env"]["host"],
-            "peak_memory": peak_memory(physical),
+            "peak_memory": profiling.peak_memory(physical, held, profiled),
             "peak_flops": peak_device * len(physical),
+            "held_bytes": held,
+            "trace": profiled.trace,
         },
         ctx,
     )
     if not ctx.is_main:
         return
+    reference = reorder_spread(spec, ctx, state) if spec.record.reference else {}
 
     rows = []
     for step in range(spec.steps):
@@ -132,6 +163,9 @@ def _run(spec: RunSpec, ctx: runtime.Context, out: Path, common: dict, t_start: 
             "peak_flops_source": "config" if spec.peak_flops else "measured GEMM",
             "peak_memory_bytes": max(r["peak_memory"] for r in per_rank),
             "peak_memory_per_rank": [r["peak_memory"] for r in per_rank],
+            "held_bytes_per_rank": [r["held_bytes"] for r in per_rank],
+            "traces": [r["trace"] for r in per_rank],
+            **reference,
             "hosts": sorted({r["host"] for r in per_rank}),
             "setup_s": setup_s,
             "wall_s": time.perf_counter() - t_start,

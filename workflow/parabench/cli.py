@@ -1,4 +1,4 @@
-"""Command line: `parabench run | guard | aggregate | report`.
+"""Command line: `parabench run | guard | aggregate | report | sweep`.
 
 `run` executes one cell. Its flags are generated from RunSpec's fields, so the
 workflow's command line (spec_argv) and the parser cannot drift apart, and every
@@ -22,6 +22,14 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
+def _bool(text: str) -> bool:
+    if text.lower() in ("true", "1", "yes"):
+        return True
+    if text.lower() in ("false", "0", "no"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
 def spec_argv(spec: RunSpec) -> list[str]:
     """The `parabench run` arguments that reproduce `spec` exactly."""
     argv = ["--arch", spec.model.arch, "--sizes", json.dumps(dict(spec.model.sizes))]
@@ -40,7 +48,7 @@ def _add_spec_args(p: argparse.ArgumentParser) -> None:
         type=json.loads,
         help="architecture size overrides as JSON, e.g. '{\"dims\": [64, 32, 1]}'",
     )
-    types = {"int": int, "float": float, "str": str, "float | None": float}
+    types = {"int": int, "float": float, "str": str, "bool": _bool, "float | None": float}
     for f in _SPEC_FIELDS:
         required = f.default is dataclasses.MISSING
         p.add_argument(
@@ -55,6 +63,21 @@ def _add_spec_args(p: argparse.ArgumentParser) -> None:
 def _spec_from(args: argparse.Namespace) -> RunSpec:
     model = ModelSpec.of(args.arch, **args.sizes)
     return RunSpec(model=model, **{f.name: getattr(args, f.name) for f in _SPEC_FIELDS})
+
+
+def spec_from_launch(cmd: list[str]) -> RunSpec | None:
+    """The cell a launch command runs (the arguments after `run`), or None if it is not
+    a `parabench run` command: spec_argv's inverse, through the same parser."""
+    if "run" not in cmd:
+        return None
+    parser = argparse.ArgumentParser(add_help=False, exit_on_error=False)
+    _add_spec_args(parser)
+    parser.add_argument("--out")
+    try:
+        args, _ = parser.parse_known_args(cmd[cmd.index("run") + 1 :])
+        return _spec_from(args)
+    except (argparse.ArgumentError, ValueError, SystemExit):
+        return None
 
 
 def record_static_skip(spec: RunSpec, out: Path, reason: str) -> int:
@@ -87,6 +110,12 @@ def main(argv: list[str] | None = None) -> int:
     rep.add_argument("--config-json", default="", help="the workflow config, as JSON")
     rep.add_argument("--out", type=Path, required=True)
 
+    swp = sub.add_parser("sweep", help="run a whole config without Snakemake, then report")
+    swp.add_argument("config", type=Path, help="a workflow config file (config/*.yaml)")
+    swp.add_argument("--results", help="results directory (overrides the config's)")
+    swp.add_argument("--devices", help="device counts, e.g. 1,2,4, or auto: what the GPUs allow")
+    swp.add_argument("--force", action="store_true", help="rerun cells already recorded")
+
     grd = sub.add_parser("guard", help="run a launch command; record a failure if it leaves none")
     grd.add_argument("--out", type=Path, required=True, help="the cell directory")
     grd.add_argument("--timeout", type=float, required=True, help="wall-clock limit, seconds")
@@ -108,12 +137,17 @@ def main(argv: list[str] | None = None) -> int:
 
         return run_cell(spec, args.out)
     if args.command == "guard":
-        from parabench.guard import guard, identity_from
+        from parabench.guard import guard
 
         cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
-        if not cmd:
-            parser.error("guard needs a command after --")
-        return guard(args.out, cmd, args.timeout, identity_from(cmd))
+        spec = spec_from_launch(cmd)
+        if spec is None:
+            parser.error("guard needs a `parabench run` command after --")
+        return guard(args.out, cmd, args.timeout, spec.record_fields())
+    if args.command == "sweep":
+        from parabench.sweep import main as sweep
+
+        return sweep(args.config, args.results, args.devices, args.force)
     if args.command == "report":
         from parabench.report import load_config, render
 

@@ -6,14 +6,35 @@ Torch-free and Snakemake-free: the Snakefile calls `cells()` to build its job gr
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from pathlib import Path
 
-from parabench.catalog import device_counts
+from parabench.catalog import STRATEGIES, device_counts
 from parabench.spec import ModelSpec, RunSpec
 
-# Keys of a model entry that are not architecture sizes.
-MODEL_KEYS = ("arch", "batch_size")
+# Keys of a model entry that are not architecture sizes: its batch, and the strategies
+# and device counts it is swept over when they differ from the config's.
+MODEL_KEYS = ("arch", "batch_size", "strategies", "devices")
+# Axes that multiply the cells: each is a list in the config (a single value is taken
+# as a list of one), and each enters the cell's identity and path.
+AXES = ("precision", "optimizer", "compile")
+# Plain keys copied from the config onto every cell's RunSpec.
+SPEC_KEYS = (
+    "steps",
+    "warmup",
+    "profile_steps",
+    "scaling",
+    "accum_steps",
+    "lr",
+    "seed",
+    "device",
+    "timeout_s",
+    "data",
+    "loader_workers",
+    "peak_flops",
+    "gpus_per_node",
+)
 
 
 @dataclass(frozen=True)
@@ -23,39 +44,49 @@ class Cell:
     @property
     def path(self) -> str:
         """Directory of the cell's records, relative to the results directory."""
-        s = self.spec
-        return f"runs/{s.model_name}/{s.strategy}/n{s.devices}/r{s.repeat}"
+        return cell_path(self.spec)
+
+
+def cell_path(s: RunSpec) -> str:
+    return f"runs/{s.model_name}/{s.variant}/{s.strategy}/n{s.devices}/r{s.repeat}"
+
+
+def axis(config: dict, key: str) -> list:
+    """The levels of one axis (defaults: fp32, sgd, no compile)."""
+    value = config.get(key, RunSpec.__dataclass_fields__[key].default)
+    return list(dict.fromkeys(value)) if isinstance(value, list) else [value]
+
+
+def strategies(config: dict, model: str | None = None) -> list[str]:
+    """The strategies swept (for `model`, if its entry names its own); every strategy
+    in the catalog when none are given."""
+    own = config["models"][model].get("strategies") if model else None
+    return list(own or config.get("strategies") or STRATEGIES)
+
+
+def devices(config: dict, model: str) -> list[int]:
+    """The device counts `model` is swept over: its own, or the config's."""
+    return list(config["models"][model].get("devices") or config["devices"])
 
 
 def model_spec(entry: dict) -> ModelSpec:
     return ModelSpec.of(entry["arch"], **{k: v for k, v in entry.items() if k not in MODEL_KEYS})
 
 
-def spec_for(config: dict, model: str, strategy: str, devices: int, repeat: int) -> RunSpec:
+def spec_for(
+    config: dict, model: str, strategy: str, devices: int, repeat: int, **levels
+) -> RunSpec:
+    """The cell's settings; `levels` picks one level of each axis (default: the first)."""
     entry = config["models"][model]
     pipe = config.get("pipeline", {})
-    optional = {
-        k: config[k]
-        for k in (
-            "steps",
-            "warmup",
-            "scaling",
-            "accum_steps",
-            "lr",
-            "seed",
-            "device",
-            "timeout_s",
-            "data",
-            "loader_workers",
-            "peak_flops",
-            "gpus_per_node",
-        )
-        if k in config
-    }
-    if "microbatches" in pipe:
-        optional["microbatches"] = pipe["microbatches"]
-    if "schedule" in pipe:
-        optional["schedule"] = pipe["schedule"]
+    optional = {k: config[k] for k in SPEC_KEYS if k in config}
+    for key, name in (("microbatches", "microbatches"), ("schedule", "schedule")):
+        if key in pipe:
+            optional[name] = pipe[key]
+    if "reshard_after_forward" in config.get("fsdp", {}):
+        optional["fsdp_reshard"] = config["fsdp"]["reshard_after_forward"]
+    for key in AXES:
+        optional[key] = levels.get(key, axis(config, key)[0])
     return RunSpec(
         strategy=strategy,
         devices=devices,
@@ -70,10 +101,12 @@ def spec_for(config: dict, model: str, strategy: str, devices: int, repeat: int)
 def cells(config: dict) -> list[Cell]:
     out = []
     for model in config["models"]:
-        for strategy in config["strategies"]:
-            for n in device_counts(strategy, config["devices"]):
-                for r in range(config["repeats"]):
-                    out.append(Cell(spec_for(config, model, strategy, n, r)))
+        for levels in itertools.product(*(axis(config, k) for k in AXES)):
+            at = dict(zip(AXES, levels, strict=True))
+            for strategy in strategies(config, model):
+                for n in device_counts(strategy, devices(config, model)):
+                    for r in range(config["repeats"]):
+                        out.append(Cell(spec_for(config, model, strategy, n, r, **at)))
     return out
 
 
@@ -82,9 +115,15 @@ def problems(config: dict, workdir: Path | None = None) -> list[str]:
     out: list[str] = []
     for name, entry in config["models"].items():
         try:
-            model_spec(entry)
+            out += model_spec(entry).problems(name)  # a custom factory is imported here
         except ValueError as e:
             out.append(f"models.{name}: {e}")
+    named = {(None, s) for s in strategies(config)}
+    named |= {(m, s) for m in config["models"] for s in strategies(config, m)}
+    for model, s in sorted(named, key=str):
+        if s not in STRATEGIES:
+            key = f"models.{model}.strategies" if model else "strategies"
+            out.append(f"{key}: unknown strategy {s!r}; known: {list(STRATEGIES)}")
     if out:
         return out
     # A rule broken by every cell (warmup >= steps) is said once; one broken by some
@@ -93,11 +132,12 @@ def problems(config: dict, workdir: Path | None = None) -> list[str]:
     all_cells = [c.spec for c in cells(config) if c.spec.repeat == 0]
     for s in all_cells:
         for p in s.problems():
-            where.setdefault(p, []).append(
-                f"models.{s.model_name} / {s.strategy} at devices={s.devices}"
-            )
+            at = f"models.{s.model_name} / {s.strategy} at devices={s.devices}"
+            if at not in where.setdefault(p, []):
+                where[p].append(at)
+    all_at = {f"models.{s.model_name} / {s.strategy} at devices={s.devices}" for s in all_cells}
     for p, cells_at in where.items():
-        out.append(p if len(cells_at) == len(all_cells) else f"{p} ({'; '.join(cells_at)})")
+        out.append(p if len(cells_at) == len(all_at) else f"{p} ({'; '.join(cells_at)})")
     if workdir is not None and "results" in config:
         res = (workdir / config["results"]).resolve()
         if not res.is_relative_to(workdir.resolve()):

@@ -1,7 +1,8 @@
 """Where batches come from.
 
-Synthetic (default): the global batch of step s is drawn from a generator seeded with
-(seed, s) on the device itself, so every strategy sees the same samples and no input
+Synthetic (default): the global batch of step s is drawn by the model's `batch` from a
+generator seeded with (seed, s), on the device itself for presets (on the CPU, then
+moved, for a custom model's), so every strategy sees the same samples and no input
 pipeline sits inside the strategy's timing. A data-parallel rank keeps its contiguous
 slice of that global batch, so the union over ranks is exactly `single`'s batch.
 
@@ -30,15 +31,6 @@ class Shard:
     count: int  # 1 for strategies where every process sees the whole batch
 
 
-def _draw(model: Model, n: int, gen: torch.Generator, device: torch.device):
-    x = torch.randn(n, model.in_features, generator=gen, device=device)
-    if model.target == "binary":
-        y = torch.randint(0, 2, (n, 1), generator=gen, device=device).float()
-    else:
-        y = torch.randint(0, model.classes, (n,), generator=gen, device=device)
-    return x, y
-
-
 class SyntheticBatches:
     """Deterministic global batches from (seed, step), sliced to this process's shard."""
 
@@ -49,16 +41,16 @@ class SyntheticBatches:
     ) -> None:
         self.model, self.global_batch, self.seed = model, global_batch, seed
         self.shard, self.device = shard, device
-        self.gen = torch.Generator(device=device)
+        self.gen = torch.Generator(device=device if model.device_batches else "cpu")
 
     def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         # One seed per step: independent of how many steps came before, so a cell can
         # be re-run or resumed and still see the same samples.
         self.gen.manual_seed(self.seed * 1_000_003 + step)
-        x, y = _draw(self.model, self.global_batch, self.gen, self.device)
+        x, y = self.model.batch(self.global_batch, self.gen)
         per = self.global_batch // self.shard.count
         lo = self.shard.index * per
-        return x[lo : lo + per], y[lo : lo + per]
+        return x[lo : lo + per].to(self.device), y[lo : lo + per].to(self.device)
 
 
 class SampleDataset(Dataset):
@@ -66,7 +58,7 @@ class SampleDataset(Dataset):
 
     def __init__(self, model: Model, size: int, seed: int) -> None:
         gen = torch.Generator().manual_seed(seed)
-        self.x, self.y = _draw(model, size, gen, torch.device("cpu"))
+        self.x, self.y = model.batch(size, gen)
 
     def __len__(self) -> int:
         return len(self.x)

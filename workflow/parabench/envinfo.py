@@ -95,6 +95,18 @@ def base() -> dict:
     }
 
 
+def gpu_topology() -> str | None:
+    """`nvidia-smi topo -m`: how the GPUs connect (NVLink, PCIe switch, socket), which
+    decides what collectives can reach. None without nvidia-smi."""
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "topo", "-m"], capture_output=True, text=True, timeout=20
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip() or out.stderr.strip() or None
+
+
 def describe(device_type: str) -> dict:
     import torch  # here, not at the top: base() serves torch-free callers
     import torch.distributed as dist
@@ -115,4 +127,12 @@ def describe(device_type: str) -> dict:
             else []
         ),
         "torch_threads": torch.get_num_threads(),
+        # fp32 matmuls on tensor cores (TF32) change both speed and rounding: recorded
+        # with every cell, since fp32 numbers mean different things with it on or off.
+        "tf32": {
+            "float32_matmul_precision": torch.get_float32_matmul_precision(),
+            "cuda_matmul_allow_tf32": torch.backends.cuda.matmul.allow_tf32,
+            "cudnn_allow_tf32": torch.backends.cudnn.allow_tf32,
+        },
+        "gpu_topology": gpu_topology() if device_type == "cuda" else None,
     }

@@ -13,7 +13,12 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from parabench.models import Model
+from parabench.models import Model, example_batch
+
+
+def _meta_input(model: Model, batch: int) -> torch.Tensor:
+    """The model's input for `batch` samples, as a shape-only meta tensor."""
+    return example_batch(model, batch)[0].to("meta")
 
 
 def _fwd_bwd(module: nn.Module, x: torch.Tensor, loss) -> int:
@@ -27,8 +32,7 @@ def step_flops(model: Model, batch: int) -> int:
     """FLOPs of forward + backward of the whole model on `batch` samples (meta tensors:
     shapes only, no memory, no compute)."""
     meta = copy.deepcopy(model.blocks).to("meta")
-    x = torch.empty(batch, model.in_features, device="meta")
-    return _fwd_bwd(meta, x, lambda out: out.sum())
+    return _fwd_bwd(meta, _meta_input(model, batch), lambda out: out.sum())
 
 
 def block_flops(model: Model, batch: int = 8) -> list[int]:
@@ -38,10 +42,10 @@ def block_flops(model: Model, batch: int = 8) -> list[int]:
     activations), exactly as in training.
     """
     meta = copy.deepcopy(model.blocks).to("meta")
-    x = torch.empty(batch, model.in_features, device="meta")
+    x = _meta_input(model, batch)
     costs = []
     for i, block in enumerate(meta):
-        if i > 0:
+        if i > 0 and x.is_floating_point():  # token ids carry no gradient
             x = x.detach().requires_grad_(True)
         costs.append(_fwd_bwd(block, x, lambda out: out.sum()))
         with torch.no_grad():

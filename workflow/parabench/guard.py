@@ -72,7 +72,9 @@ def _describe_exit(rc: int) -> str:
     return f"exit code {rc}"
 
 
-def guard(out: Path, cmd: list[str], timeout_s: float, identity: dict) -> int:
+def guard(out: Path, cmd: list[str], timeout_s: float, fields: dict) -> int:
+    """Run `cmd`; make sure `out` ends with a record. `fields`: what a failure record
+    carries (the cell's identity and settings: RunSpec.record_fields())."""
     meta = out / "meta.json"
     meta.unlink(missing_ok=True)  # a stale record must not pass for this launch's
     tail: collections.deque[str] = collections.deque(maxlen=200)
@@ -153,7 +155,7 @@ def guard(out: Path, cmd: list[str], timeout_s: float, identity: dict) -> int:
         out,
         "failed",
         reason,
-        **identity,
+        **fields,
         elapsed_s=round(elapsed, 3),
         exit_code=rc,
         env={**envinfo.base(), "launch_command": cmd},
@@ -166,21 +168,3 @@ def guard(out: Path, cmd: list[str], timeout_s: float, identity: dict) -> int:
 def _kill_group(proc: subprocess.Popen, sig: int) -> None:
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, sig)
-
-
-def identity_from(args: list[str]) -> dict:
-    """model/strategy/devices/repeat from the wrapped `parabench run` arguments."""
-
-    def value(flag: str) -> str | None:
-        return args[args.index(flag) + 1] if flag in args[:-1] else None
-
-    ident = {
-        "model": value("--model-name"),
-        "strategy": value("--strategy"),
-        "devices": value("--devices"),
-        "repeat": value("--repeat") or "0",
-    }
-    for k in ("devices", "repeat"):
-        if ident[k] is not None:
-            ident[k] = int(ident[k])
-    return ident

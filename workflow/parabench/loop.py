@@ -9,7 +9,6 @@ marked, and left out of every statistic downstream.
 
 from __future__ import annotations
 
-import resource
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -63,15 +62,6 @@ def measure(strategy: Strategy, batches, steps: int, fault: Fault | None = None)
         losses.append(loss)
     # One host transfer after the loop instead of one per step.
     return Measured(times, torch.stack(losses).double().cpu().tolist())
-
-
-def peak_memory(devices: list[torch.device]) -> int:
-    """Peak bytes of this process: allocator high-water mark on CUDA (max over its
-    devices), max resident set size on CPU (torch.cuda reports 0 there)."""
-    cuda = [d for d in devices if d.type == "cuda"]
-    if cuda:
-        return max(torch.cuda.max_memory_allocated(d) for d in cuda)
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
 
 
 def all_ranks(value, ctx: Context) -> list:

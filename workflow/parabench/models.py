@@ -1,17 +1,29 @@
-"""Model presets, each an nn.Sequential of blocks so stages can be cut between blocks.
+"""Models: presets and the user's own, each an nn.Sequential of blocks plus a loss and a
+batch generator, so stages can be cut between blocks and the rest of the package treats
+every model alike.
 
-Every model also defines its loss and the shape of its synthetic data, so the rest of
-the package treats all of them alike.
+The contract (what a custom factory returns, docs/custom-models.md):
+- blocks: nn.Sequential; block i+1 takes block i's output; stages are cut between blocks
+- loss(output, target) -> scalar mean over the batch
+- batch(batch_size, generator) -> (inputs, targets), deterministic given the generator,
+  batch dimension first; parabench moves it to the device and slices it per rank
+- tp_plan (optional): module name (relative to blocks) -> "colwise" | "rowwise" (or a
+  torch ParallelStyle), each column-wise layer followed by its row-wise partner
+
+Presets: `mlp` (the seed MLP), `seqnet` (the DDP tutorial's net), `resmlp` (uniform
+pre-norm residual MLP blocks) and `gpt` (a decoder-only transformer in nanoGPT's shape).
 """
 
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from parabench.spec import ModelSpec
 
@@ -20,10 +32,16 @@ from parabench.spec import ModelSpec
 class Model:
     blocks: nn.Sequential
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-    in_features: int
-    # "binary": float targets in {0, 1} of shape (B, 1); "classes": int64 labels.
-    target: str
-    classes: int
+    # batch(n, generator) -> (inputs, targets). Presets draw on the generator's device;
+    # a custom model's batch is drawn on the CPU (device_batches False) and moved.
+    batch: Callable[[int, torch.Generator], tuple[torch.Tensor, torch.Tensor]]
+    # Tensor parallelism: module names (relative to `blocks`) -> "colwise" | "rowwise".
+    tp_plan: dict = field(default_factory=dict)
+    device_batches: bool = True
+    tokens_per_sample: int = 0  # language models: tokens in one sample (throughput)
+
+
+# ---------------------------------------------------------------- MLP-like presets
 
 
 class Residual(nn.Module):
@@ -36,7 +54,7 @@ class Residual(nn.Module):
         self.fc2 = nn.Linear(4 * width, width)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.fc2(nn.functional.gelu(self.fc1(self.norm(x))))
+        return x + self.fc2(F.gelu(self.fc1(self.norm(x))))
 
 
 def _linear_stack(dims: list[int], last: nn.Module | None) -> nn.Sequential:
@@ -48,23 +66,215 @@ def _linear_stack(dims: list[int], last: nn.Module | None) -> nn.Sequential:
     return nn.Sequential(*blocks)
 
 
+def linear_pairs(blocks: nn.Sequential) -> dict[str, str]:
+    """The TP plan of a stack of Linear layers: consecutive pairs (0, 1), (2, 3), ...,
+    the first column-wise and the second row-wise; an odd last layer stays replicated."""
+    names = [
+        name
+        for name, m in blocks.named_modules()
+        if isinstance(m, nn.Linear) and name.count(".") <= 1
+    ]
+    plan = {}
+    for first, second in zip(names[0::2], names[1::2], strict=False):
+        plan[first], plan[second] = "colwise", "rowwise"
+    return plan
+
+
+def features_batch(features: int, classes: int | None) -> Callable:
+    """Gaussian features; targets in {0, 1} of shape (n, 1) (classes None: binary, for
+    BCE) or class labels."""
+
+    def batch(n: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        x = torch.randn(n, features, generator=gen, device=gen.device)
+        if classes is None:
+            y = torch.randint(0, 2, (n, 1), generator=gen, device=gen.device).float()
+        else:
+            y = torch.randint(0, classes, (n,), generator=gen, device=gen.device)
+        return x, y
+
+    return batch
+
+
+def _mlp(spec: ModelSpec) -> Model:
+    dims = list(spec.size("dims"))
+    blocks = _linear_stack(dims, nn.Sigmoid())
+    return Model(blocks, nn.BCELoss(), features_batch(dims[0], None), linear_pairs(blocks))
+
+
+def _seqnet(spec: ModelSpec) -> Model:
+    dims = list(spec.size("dims"))
+    blocks = _linear_stack(dims, None)
+    batch = features_batch(dims[0], dims[-1])
+    return Model(blocks, nn.CrossEntropyLoss(), batch, linear_pairs(blocks))
+
+
+def _resmlp(spec: ModelSpec) -> Model:
+    d_in, width = spec.size("d_in"), spec.size("width")
+    classes, depth = spec.size("classes"), spec.size("depth")
+    blocks = nn.Sequential(
+        nn.Sequential(nn.Linear(d_in, width), nn.GELU()),
+        *(Residual(width) for _ in range(depth)),
+        nn.Sequential(nn.LayerNorm(width), nn.Linear(width, classes)),
+    )
+    plan = {}
+    for i in range(1, depth + 1):
+        plan[f"{i}.fc1"], plan[f"{i}.fc2"] = "colwise", "rowwise"
+    return Model(blocks, nn.CrossEntropyLoss(), features_batch(d_in, classes), plan)
+
+
+# ---------------------------------------------------------------- gpt (nanoGPT's shape)
+
+
+class Embed(nn.Module):
+    """Token plus learned position embeddings: (B, T) token ids -> (B, T, d)."""
+
+    def __init__(self, vocab: int, seq_len: int, d: int) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(vocab, d)
+        self.wpe = nn.Embedding(seq_len, d)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        return self.wte(idx) + self.wpe(pos)
+
+
+class Attention(nn.Module):
+    """Causal self-attention through scaled_dot_product_attention. q, k and v are three
+    Linear layers so tensor parallelism can split each by heads; the head count is read
+    from the tensors (-1), so a rank holding 1/n of the heads computes just those."""
+
+    def __init__(self, d: int, n_head: int) -> None:
+        super().__init__()
+        self.head_dim = d // n_head
+        self.q, self.k, self.v = nn.Linear(d, d), nn.Linear(d, d), nn.Linear(d, d)
+        self.out = nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q, k, v = (
+            proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+            for proj in (self.q, self.k, self.v)
+        )
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.out(y.transpose(1, 2).reshape(b, t, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.fc, self.proj = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(F.gelu(self.fc(x)))
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: x + attn(LN(x)), then x + mlp(LN(x))."""
+
+    def __init__(self, d: int, n_head: int) -> None:
+        super().__init__()
+        self.ln1, self.attn = nn.LayerNorm(d), Attention(d, n_head)
+        self.ln2, self.mlp = nn.LayerNorm(d), MLP(d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class Head(nn.Module):
+    def __init__(self, d: int, vocab: int) -> None:
+        super().__init__()
+        self.ln_f, self.lm_head = nn.LayerNorm(d), nn.Linear(d, vocab, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.ln_f(x))
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy over the vocabulary, mean over every token of the batch."""
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def token_batch(vocab: int, seq_len: int) -> Callable:
+    """Random token sequences; the targets are the inputs shifted by one."""
+
+    def batch(n: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        tokens = torch.randint(0, vocab, (n, seq_len + 1), generator=gen, device=gen.device)
+        return tokens[:, :-1], tokens[:, 1:]
+
+    return batch
+
+
+def _gpt(spec: ModelSpec) -> Model:
+    vocab, seq_len = spec.size("vocab"), spec.size("seq_len")
+    n_layer, n_head, d = spec.size("n_layer"), spec.size("n_head"), spec.size("d_model")
+    # Embedding and head untied (nanoGPT ties them): tied weights would belong to the
+    # first and the last pipeline stage, and to two FSDP units, at once.
+    blocks = nn.Sequential(
+        Embed(vocab, seq_len, d), *(Block(d, n_head) for _ in range(n_layer)), Head(d, vocab)
+    )
+    # nanoGPT's initialisation: N(0, 0.02), residual projections scaled by 1/sqrt(2L).
+    for name, p in blocks.named_parameters():
+        if name.endswith("bias"):
+            nn.init.zeros_(p)
+        elif p.dim() >= 2:  # weights and embeddings; LayerNorm keeps its ones
+            std = (
+                0.02 / math.sqrt(2 * n_layer)
+                if name.endswith(("out.weight", "proj.weight"))
+                else 0.02
+            )
+            nn.init.normal_(p, 0.0, std)
+    # Megatron's split: q, k, v and the MLP's first layer by columns (heads, hidden
+    # units), the attention output and the MLP's second layer by rows.
+    plan = {}
+    for i in range(1, n_layer + 1):
+        for name in ("attn.q", "attn.k", "attn.v", "mlp.fc"):
+            plan[f"{i}.{name}"] = "colwise"
+        for name in ("attn.out", "mlp.proj"):
+            plan[f"{i}.{name}"] = "rowwise"
+    return Model(blocks, lm_loss, token_batch(vocab, seq_len), plan, tokens_per_sample=seq_len)
+
+
+PRESETS: dict[str, Callable[[ModelSpec], Model]] = {
+    "mlp": _mlp,
+    "seqnet": _seqnet,
+    "resmlp": _resmlp,
+    "gpt": _gpt,
+}
+
+
 def build(spec: ModelSpec, seed: int) -> Model:
     """Build the model on CPU with weights drawn from `seed`, so every rank and every
     strategy starts from identical parameters."""
     torch.manual_seed(seed)
-    if spec.arch == "mlp":
-        dims = list(spec.size("dims"))
-        return Model(_linear_stack(dims, nn.Sigmoid()), nn.BCELoss(), dims[0], "binary", 1)
-    if spec.arch == "seqnet":
-        dims = list(spec.size("dims"))
-        return Model(_linear_stack(dims, None), nn.CrossEntropyLoss(), dims[0], "classes", dims[-1])
-    if spec.arch == "resmlp":
-        d_in, width = spec.size("d_in"), spec.size("width")
-        classes, depth = spec.size("classes"), spec.size("depth")
-        blocks = nn.Sequential(
-            nn.Sequential(nn.Linear(d_in, width), nn.GELU()),
-            *(Residual(width) for _ in range(depth)),
-            nn.Sequential(nn.LayerNorm(width), nn.Linear(width, classes)),
-        )
-        return Model(blocks, nn.CrossEntropyLoss(), d_in, "classes", classes)
-    raise ValueError(f"unknown model arch {spec.arch!r}")
+    if spec.arch == "custom":
+        from parabench.custom import build_custom
+
+        return build_custom(spec)
+    return PRESETS[spec.arch](spec)
+
+
+def example_batch(model: Model, n: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """A CPU batch of n samples, for shapes and checks."""
+    gen = torch.Generator().manual_seed(seed)
+    return model.batch(n, gen)
+
+
+def maths_notes(model: Model) -> list[str]:
+    """Layers whose result depends on how the batch is split or on random draws: under
+    data parallelism or micro-batching their maths really changes, so a strategy that
+    splits the batch differs from `single` for a reason, named here."""
+    notes = []
+    for name, m in model.blocks.named_modules():
+        if isinstance(m, nn.modules.batchnorm._BatchNorm):
+            notes.append(
+                f"{type(m).__name__} at blocks.{name} normalises over the samples one "
+                "rank or micro-batch sees (B/n or B/m), not the whole batch B "
+                "(SyncBatchNorm would restore it across ranks)"
+            )
+        elif isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0:
+            notes.append(
+                f"{type(m).__name__}(p={m.p}) at blocks.{name} draws random masks, "
+                "which no two strategies draw alike"
+            )
+    return notes

@@ -14,13 +14,24 @@ import os
 import tempfile
 from pathlib import Path
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 STATUSES = ("ok", "skipped", "failed")
+
+# A cell's key, in every record and table (RunSpec.identity() gives it).
+CELL_KEYS = ("model", "precision", "optimizer", "compile", "strategy", "devices", "repeat")
+# The same without the repeat: one row of summary.csv.
+SUMMARY_KEYS = CELL_KEYS[:-1]
+# The axes a speedup is taken within: a strategy is compared with `single` of the same
+# model, precision, optimizer and compile setting.
+VARIANT_KEYS = ("model", "precision", "optimizer", "compile")
 
 # One row per optimizer step of one cell (warm-up rows kept, marked by `phase`).
 STEP_COLUMNS: dict[str, str] = {
     "schema_version": "version of this contract",
     "model": "model label from the config",
+    "precision": "fp32, or bf16 (autocast; parameters and optimizer in fp32)",
+    "optimizer": "sgd or adamw",
+    "compile": "True when each block's forward ran under torch.compile",
     "strategy": "strategy name",
     "devices": "devices (GPUs, or CPU processes / stage slots) the cell used",
     "repeat": "index of the separate launch this cell was",
@@ -32,7 +43,7 @@ STEP_COLUMNS: dict[str, str] = {
     "samples": "samples in the global batch of the step",
 }
 
-META_KEYS = ("schema_version", "status", "reason", "model", "strategy", "devices", "repeat")
+META_KEYS = ("schema_version", "status", "reason", *CELL_KEYS)
 
 
 def _umask() -> int:

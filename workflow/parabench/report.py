@@ -25,18 +25,9 @@ import pandas as pd
 import seaborn as sns
 import yaml
 
-from parabench.catalog import STRATEGIES
-
-LABELS = {
-    "single": "single device",
-    "dp": "DataParallel",
-    "ddp": "DDP",
-    "model_parallel": "model parallel",
-    "pipeline": "pipeline",
-    "grad_accum": "gradient accumulation",
-}
-# Equivalence verdict: float32 reductions in another order differ by ~1e-7 per step.
-PARAM_TOLERANCE = 1e-5
+from parabench import equivalence
+from parabench.catalog import CATALOG, LABELS, STRATEGIES
+from parabench.records import VARIANT_KEYS
 
 
 @dataclass
@@ -47,12 +38,25 @@ class Results:
 
     @classmethod
     def load(cls, results: Path) -> Results:
-        return cls(
-            *(
-                pd.read_csv(results / f"{n}.csv", keep_default_na=True)
-                for n in ("summary", "cells", "steps")
-            )
-        )
+        tables = [pd.read_csv(results / f"{n}.csv") for n in ("summary", "cells", "steps")]
+        for t in tables:  # one label per (model, variant): the plots' panels, the headlines'
+            t["panel"] = panel_labels(t)
+        return cls(*tables)
+
+
+def panel_labels(df: pd.DataFrame) -> pd.Series:
+    """'mlp · bf16 · adamw · compiled': a model and the variant it ran in."""
+    if df.empty:
+        return pd.Series(dtype=str)
+    compiled = df["compile"].astype(str).str.lower() == "true"
+    return (
+        df["model"].astype(str)
+        + " · "
+        + df["precision"].astype(str)
+        + " · "
+        + df["optimizer"].astype(str)
+        + compiled.map({True: " · compiled", False: ""})
+    )
 
 
 def _png(fig) -> str:
@@ -71,7 +75,8 @@ def repeat_speedups(cells: pd.DataFrame, summary: pd.DataFrame) -> pd.DataFrame:
     ok = cells[cells["status"] == "ok"].copy()
     ok["throughput"] = ok["global_batch"] / ok["step_time_median_s"]
     base = summary[(summary["strategy"] == "single") & (summary["devices"] == 1)]
-    ok["speedup"] = ok["throughput"] / ok["model"].map(base.set_index("model")["throughput"])
+    base_thr = base.set_index("panel")["throughput"]
+    ok["speedup"] = ok["throughput"] / ok["panel"].map(base_thr)
     ok["efficiency"] = ok["speedup"] / ok["devices"]
     return ok
 
@@ -84,14 +89,14 @@ def plots(r: Results) -> dict[str, str]:
     reps = repeat_speedups(r.cells, r.summary)
     order = _order(ok)
     palette = dict(zip(STRATEGIES, sns.color_palette("colorblind", len(STRATEGIES)), strict=True))
-    models = list(dict.fromkeys(ok["model"]))
+    panels = list(dict.fromkeys(ok["panel"]))
     devices = sorted(ok["devices"].unique())
     out: dict[str, str] = {}
 
     def per_model(title: str, y: str, ylabel: str, ideal=None, logy=False) -> str:
-        fig, axes = plt.subplots(1, len(models), figsize=(5.2 * len(models), 3.8), squeeze=False)
-        for ax, model in zip(axes[0], models, strict=True):
-            sub = ok[ok["model"] == model]
+        fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 3.8), squeeze=False)
+        for ax, panel in zip(axes[0], panels, strict=True):
+            sub = ok[ok["panel"] == panel]
             if ideal is not None:
                 ax.plot(devices, [ideal(n) for n in devices], "k--", lw=1, label="ideal")
             sns.lineplot(
@@ -107,7 +112,7 @@ def plots(r: Results) -> dict[str, str]:
             )
             if y in reps:
                 sns.stripplot(
-                    data=reps[reps["model"] == model],
+                    data=reps[reps["panel"] == panel],
                     x="devices",
                     y=y,
                     hue="strategy",
@@ -120,7 +125,7 @@ def plots(r: Results) -> dict[str, str]:
                     size=4,
                     jitter=0.08,
                 )
-            ax.set(title=f"{title} — {model}", xlabel="devices", ylabel=ylabel, xticks=devices)
+            ax.set(title=f"{title} — {panel}", xlabel="devices", ylabel=ylabel, xticks=devices)
             if logy:
                 ax.set_yscale("log")
         if axes[0][0].get_legend():
@@ -151,7 +156,7 @@ def plots(r: Results) -> dict[str, str]:
             kind="box",
             x="step_time_s",
             y="cell",
-            col="model",
+            col="panel",
             order=cell_order,
             hue="strategy",
             hue_order=order,
@@ -180,7 +185,7 @@ def plots(r: Results) -> dict[str, str]:
             kind="bar",
             x=col,
             y="cell",
-            col="model",
+            col="panel",
             hue="strategy",
             hue_order=order,
             palette=palette,
@@ -200,21 +205,21 @@ def _fmt_x(v: float) -> str:
 
 
 def headlines(summary: pd.DataFrame) -> list[dict]:
-    """Per model and device count: which strategy was fastest and by how much, as
-    sentences built from summary.csv (each links the row it comes from). Emulated cells
-    (stages stand-ins on one CPU) are not ranked: their speedup is not a real one."""
+    """Per model, variant and device count: which strategy was fastest and by how much,
+    as sentences built from summary.csv (each links the row it comes from). Emulated
+    cells (stages stand-ins on one CPU) are not ranked: their speedup is not a real one."""
     out = []
     ok = summary[(summary["status"] == "ok") & summary["speedup"].notna()]
-    for model in dict.fromkeys(summary["model"]):
-        for n in sorted(ok.loc[ok["model"] == model, "devices"].unique()):
+    for panel in dict.fromkeys(summary["panel"]):
+        for n in sorted(ok.loc[ok["panel"] == panel, "devices"].unique()):
             if n == 1:
                 continue
-            at_n = ok[(ok["model"] == model) & (ok["devices"] == n)]
-            rows = at_n[~at_n["emulated"].astype(bool)].sort_values("speedup", ascending=False)
+            at_n = ok[(ok["panel"] == panel) & (ok["devices"] == n)]
+            ranked = at_n[~at_n["emulated"].astype(bool)].sort_values("speedup", ascending=False)
             emulated = [LABELS[s] for s in at_n.loc[at_n["emulated"].astype(bool), "strategy"]]
-            if rows.empty:
+            if ranked.empty:
                 continue
-            best = rows.iloc[0]
+            best = ranked.iloc[0]
             name = LABELS.get(best["strategy"], best["strategy"])
             if best["speedup"] >= 1:
                 lead = f"{_fmt_x(best['speedup'])} the throughput of one device"
@@ -229,7 +234,7 @@ def headlines(summary: pd.DataFrame) -> list[dict]:
             )
             others = [
                 f"{LABELS.get(r['strategy'], r['strategy'])} {_fmt_x(r['speedup'])}"
-                for _, r in rows.iloc[1:].iterrows()
+                for _, r in ranked.iloc[1:].iterrows()
             ]
             if others:
                 text += "; then " + ", ".join(others)
@@ -238,7 +243,8 @@ def headlines(summary: pd.DataFrame) -> list[dict]:
                 text += f" Not ranked: {', '.join(emulated)} (stages emulated on one device)."
             out.append(
                 {
-                    "model": model,
+                    "panel": panel,
+                    "anchor": row_anchor(best),
                     "devices": int(n),
                     "text": text,
                     "strategy": best["strategy"],
@@ -275,37 +281,50 @@ def environment(cells: pd.DataFrame) -> list[tuple[str, str]]:
     return out
 
 
+def rows(df: pd.DataFrame) -> list[dict]:
+    """Table rows for the templates, missing values as None (not NaN, which is truthy)."""
+    return df.astype(object).where(df.notna(), None).to_dict("records")
+
+
 def build_context(r: Results, config: dict) -> dict:
     s = r.summary
     device_types = set(r.cells["device_type"].dropna().astype(str)) - {""}
     per_strategy = {}
     for strat in STRATEGIES:
-        rows = s[s["strategy"] == strat]
-        if not rows.empty:
-            per_strategy[strat] = rows.to_dict("records")
-    diffs = s[s["max_abs_param_diff"].notna()]
+        of_strategy = s[s["strategy"] == strat]
+        if not of_strategy.empty:
+            per_strategy[strat] = rows(of_strategy)
+    diffs = s[s["rel_param_diff"].notna()]
     return {
         "headlines": headlines(s),
         "cpu_run": "cuda" not in device_types,
         "scaling": ", ".join(sorted(set(s["scaling"]))),
-        "summary": s.to_dict("records"),
+        "summary": rows(s),
         "per_strategy": per_strategy,
         "labels": LABELS,
         "strategies": [x for x in STRATEGIES if x in per_strategy],
-        "equivalence": diffs.to_dict("records"),
-        "tolerance": PARAM_TOLERANCE,
+        "equivalence": rows(diffs),
+        "tolerance_factor": equivalence.TOLERANCE_FACTOR,
+        "tolerance_floor": equivalence.FLOOR,
+        "narratives": {name: CATALOG[name].narrative for name in per_strategy},
         "microbatches": config.get("pipeline", {}).get("microbatches"),
-        "problems": r.cells[r.cells["status"] != "ok"].to_dict("records"),
+        "problems": rows(r.cells[r.cells["status"] != "ok"]),
         "environment": environment(r.cells),
         "config_yaml": yaml.safe_dump(config, sort_keys=False),
-        "launches": r.cells[
-            ["model", "strategy", "devices", "repeat", "status", "launch_command"]
-        ].to_dict("records"),
+        "launches": rows(
+            r.cells[["panel", "strategy", "devices", "repeat", "status", "launch_command"]]
+        ),
         "n_cells": len(r.cells),
         "n_ok": int((r.cells["status"] == "ok").sum()),
         "timed_steps": int((r.steps["phase"] == "timed").sum()) if len(r.steps) else 0,
         "plots": plots(r),
     }
+
+
+def row_anchor(row) -> str:
+    """The HTML id of a summary row: every key, so each row has its own."""
+    keys = [*VARIANT_KEYS, "strategy", "devices"]
+    return "row-" + "-".join(str(row[k]) for k in keys)
 
 
 def _filters(env: jinja2.Environment) -> None:
@@ -323,7 +342,7 @@ def _filters(env: jinja2.Environment) -> None:
     env.filters["ms"] = lambda v: num(v * 1e3 if isinstance(v, int | float) else v, "{:.2f} ms")
     env.filters["mib"] = lambda v: num(v / 2**20 if isinstance(v, int | float) else v, "{:.0f} MiB")
     env.filters["sci"] = lambda v: num(v, "{:.1e}")
-    env.filters["anchor"] = lambda row: f"row-{row['model']}-{row['strategy']}-{row['devices']}"
+    env.filters["anchor"] = row_anchor
 
 
 def render(results: Path, templates: Path, config: dict, out: Path) -> None:

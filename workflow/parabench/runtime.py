@@ -13,7 +13,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from parabench.catalog import uses_torchrun
+from parabench.catalog import record
 from parabench.envinfo import usable_cores
 from parabench.spec import RunSpec
 
@@ -48,7 +48,7 @@ def start(spec: RunSpec) -> Context:
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
-    wants_ranks = uses_torchrun(spec.strategy, spec.devices)
+    wants_ranks = record(spec.strategy).uses_torchrun(spec.devices)
     if wants_ranks and world != spec.devices:
         raise LaunchError(
             f"{spec.strategy} at {spec.devices} devices runs as {spec.devices} ranks: launch with "
@@ -72,19 +72,29 @@ def start(spec: RunSpec) -> Context:
     torch.set_num_threads(threads)
 
     distributed = False
-    if wants_ranks:
+    if record(spec.strategy).process_group(spec.devices):
         backend = "nccl" if device.type == "cuda" else "gloo"
         timeout = timedelta(seconds=spec.timeout_s)
         if "MASTER_ADDR" in os.environ:
             dist.init_process_group(
                 backend, timeout=timeout, device_id=device if device.type == "cuda" else None
             )
-        else:  # one rank started by hand (tests, n=1): an in-memory store suffices
+        else:  # one rank, started without torchrun: an in-memory store suffices
             dist.init_process_group(
                 backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
             )
         distributed = True
     return Context(rank, world, local_rank, device, threads, distributed)
+
+
+def finish(ctx: Context) -> None:
+    """After a cell's work, before tearing down: ranks leave together. A rank that
+    destroys its process group and exits while a peer's gloo threads still talk to it
+    can die in C++ teardown ("terminate called without an active exception", about one
+    run in thirty here). Only on success: after a failure a barrier would just wait out
+    the timeout."""
+    if ctx.distributed and ctx.world_size > 1:
+        dist.barrier()
 
 
 def stop(ctx: Context) -> None:

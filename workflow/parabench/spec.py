@@ -9,22 +9,57 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 
-from parabench.catalog import ARCHS, SCHEDULES, STRATEGIES, uses_torchrun
+from parabench.catalog import (
+    ARCHS,
+    CATALOG,
+    OPTIMIZERS,
+    PRECISIONS,
+    SCHEDULES,
+    STRATEGIES,
+    record,
+)
 
-# Defaults mirror the seeds: demo.py's MLP and the DDP tutorial's SeqNet.
+# Defaults mirror the seeds: demo.py's MLP and the DDP tutorial's SeqNet; gpt's are
+# GPT-2 small's shape. A custom model names its factory and the factory's arguments.
 DEFAULTS: dict[str, dict] = {
     "mlp": {"dims": [1000, 400, 300, 200, 100, 50, 1]},
     "seqnet": {"dims": [784, 200, 200, 10]},
     "resmlp": {"d_in": 256, "width": 256, "depth": 8, "classes": 10},
+    "gpt": {"vocab": 50257, "seq_len": 1024, "n_layer": 12, "n_head": 12, "d_model": 768},
+    "custom": {"factory": None, "args": {}},
 }
-assert set(DEFAULTS) == set(ARCHS)
+assert set(DEFAULTS) == {*ARCHS, "custom"}
+
+
+class Frozen(dict):
+    """A dict that can key a cache (a custom model's arguments)."""
+
+    def __hash__(self) -> int:  # type: ignore[override]
+        return hash(json.dumps(self, sort_keys=True, default=str))
+
+
+def _freeze(v):
+    if isinstance(v, dict):
+        return Frozen({k: _freeze(x) for k, x in v.items()})
+    if isinstance(v, list | tuple):
+        return tuple(_freeze(x) for x in v)
+    return v
+
+
+def _thaw(v):
+    if isinstance(v, dict):
+        return {k: _thaw(x) for k, x in v.items()}
+    if isinstance(v, tuple):
+        return [_thaw(x) for x in v]
+    return v
 
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """A model preset plus its size overrides; hashable so it can key caches."""
+    """A model preset plus its size overrides, or a custom factory and its arguments;
+    hashable so it can key caches."""
 
     arch: str
     sizes: tuple[tuple[str, object], ...] = field(default=())
@@ -36,10 +71,9 @@ class ModelSpec:
         unknown = set(sizes) - set(DEFAULTS[arch])
         if unknown:
             raise ValueError(f"model arch {arch!r} has no size keys {sorted(unknown)}")
-        frozen = tuple(
-            sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in sizes.items())
-        )
-        return cls(arch, frozen)
+        if arch == "custom" and not isinstance(sizes.get("factory"), str):
+            raise ValueError("arch custom needs factory: 'module.path:function'")
+        return cls(arch, tuple(sorted((k, _freeze(v)) for k, v in sizes.items())))
 
     def size(self, key: str):
         return dict(self.sizes).get(key, DEFAULTS[self.arch][key])
@@ -48,7 +82,48 @@ class ModelSpec:
         """Blocks a stage cut can fall between (see models.build)."""
         if self.arch == "resmlp":
             return self.size("depth") + 2
+        if self.arch == "gpt":
+            return self.size("n_layer") + 2  # embedding, the layers, the head
+        if self.arch == "custom":
+            return self.custom().n_blocks
         return len(self.size("dims")) - 1
+
+    def has_tp_plan(self) -> bool:
+        """Whether the model declares layer pairs for tensor parallelism (models.tp_plan):
+        every preset does; a custom model only if its factory returns a plan."""
+        return self.arch in ARCHS or (self.arch == "custom" and self.custom().has_tp_plan)
+
+    def problems(self, name: str) -> list[str]:
+        """Sizes that cannot build a model, naming the key (models.<name>.<key>)."""
+        if self.arch == "gpt":
+            d, heads = self.size("d_model"), self.size("n_head")
+            if d % heads:
+                return [f"models.{name}.d_model: {d} is not divisible by n_head ({heads})"]
+        if self.arch == "custom":
+            return [f"models.{name}.factory: {p}" for p in self.custom().problems]
+        return []
+
+    def tp_problem(self, devices: int) -> str | None:
+        """Why tensor parallelism cannot split this model over `devices`, or None."""
+        if self.arch == "gpt" and self.size("n_head") % devices:
+            return (
+                f"n_head: {self.size('n_head')} attention heads do not split evenly over "
+                f"{devices} tensor-parallel ranks"
+            )
+        return None
+
+    def custom(self):
+        """What the custom factory builds (imported and checked once; needs torch)."""
+        from parabench.custom import inspect_factory
+
+        return inspect_factory(self)
+
+    def to_dict(self) -> dict:
+        return {"arch": self.arch, **{k: _thaw(v) for k, v in self.sizes}}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> ModelSpec:
+        return cls.of(d["arch"], **{k: v for k, v in d.items() if k != "arch"})
 
 
 @dataclass(frozen=True)
@@ -62,12 +137,17 @@ class RunSpec:
     batch_size: int  # global batch (strong scaling) or per-device batch (weak)
     steps: int = 20  # optimizer steps in total, warm-up included
     warmup: int = 5  # leading steps left out of the timings
+    profile_steps: int = 2  # extra steps under torch.profiler after the timed ones
     repeat: int = 0
     scaling: str = "strong"
     accum_steps: int = 2
     microbatches: int = 4
     schedule: str = "gpipe"
     lr: float = 0.01
+    precision: str = "fp32"  # fp32 | bf16 (autocast; parameters and optimizer stay fp32)
+    optimizer: str = "sgd"  # sgd | adamw
+    compile: bool = False  # torch.compile each block before the strategy wraps it
+    fsdp_reshard: bool = True  # fsdp.reshard_after_forward: ZeRO-3 (true) or ZeRO-2-like
     seed: int = 0
     device: str = "auto"  # auto | cpu | cuda
     timeout_s: float = 300.0
@@ -76,12 +156,31 @@ class RunSpec:
     peak_flops: float | None = None  # per device; measured with a GEMM when None
     gpus_per_node: int = 8  # where a cell must span nodes (launch only, not the maths)
 
+    def __post_init__(self) -> None:
+        # YAML gives 300 where the command line gives 300.0: one type per field, so a
+        # cell's hash is the same whoever built its spec.
+        for f in fields(self):
+            value = getattr(self, f.name)
+            is_int = isinstance(value, int) and not isinstance(value, bool)
+            if f.type in ("float", "float | None") and is_int:
+                object.__setattr__(self, f.name, float(value))
+
     @property
     def nodes(self) -> int:
         """Nodes the cell spans: GPU cells needing more devices than one node holds."""
         if self.device == "cpu" or self.devices <= self.gpus_per_node:
             return 1
         return -(-self.devices // self.gpus_per_node)
+
+    @property
+    def record(self):
+        """The strategy's catalog record (known strategies only: see problems())."""
+        return record(self.strategy)
+
+    @property
+    def variant(self) -> str:
+        """The axes that multiply the cells, as one label: fp32-sgd, bf16-adamw-compile."""
+        return f"{self.precision}-{self.optimizer}" + ("-compile" if self.compile else "")
 
     @property
     def global_batch(self) -> int:
@@ -94,9 +193,14 @@ class RunSpec:
             out.append(f"strategies: unknown strategy {self.strategy!r}; known: {list(STRATEGIES)}")
         if self.devices < 1:
             out.append(f"devices: must be >= 1, got {self.devices}")
-        if self.strategy == "single" and self.devices != 1:
-            out.append("devices: strategy 'single' runs on exactly one device")
-        for key in ("steps", "batch_size", "accum_steps", "microbatches"):
+        fixed = CATALOG[self.strategy].fixed_devices if self.strategy in CATALOG else None
+        if fixed and self.devices != fixed:
+            out.append(f"devices: strategy {self.strategy!r} runs on exactly {fixed} device")
+        if self.precision not in PRECISIONS:
+            out.append(f"precision: must be one of {list(PRECISIONS)}, got {self.precision!r}")
+        if self.optimizer not in OPTIMIZERS:
+            out.append(f"optimizer: must be one of {list(OPTIMIZERS)}, got {self.optimizer!r}")
+        for key in ("steps", "batch_size", "accum_steps", "microbatches", "profile_steps"):
             if getattr(self, key) < 1:
                 out.append(f"{key}: must be >= 1, got {getattr(self, key)}")
         if not 0 <= self.warmup < self.steps:
@@ -118,8 +222,18 @@ class RunSpec:
             out.append(f"data: must be synthetic or dataloader, got {self.data!r}")
         if out:
             return out
+        out += self.model.problems(self.model_name)
+        if out:
+            return out
         out += self._divisibility()
-        if self.strategy in ("model_parallel", "pipeline") and self.devices > self.model.n_blocks():
+        if self.record.needs_tp_plan and not self.model.has_tp_plan():
+            out.append(
+                f"strategies: {self.strategy} needs a tensor-parallel plan, and "
+                f"models.{self.model_name} declares none (a custom factory returns tp_plan)"
+            )
+        elif self.record.needs_tp_plan and (why := self.model.tp_problem(self.devices)):
+            out.append(f"models.{self.model_name}.{why}")
+        if self.record.cuts_model and self.devices > self.model.n_blocks():
             out.append(
                 f"devices: {self.strategy} at {self.devices} devices needs {self.devices} stages "
                 f"but model {self.model_name!r} has only {self.model.n_blocks()} blocks"
@@ -141,38 +255,36 @@ class RunSpec:
         return out
 
     def _divisibility(self) -> list[str]:
-        b, n = self.global_batch, self.devices
-        parts = {
-            "ddp": (n, f"devices ({n})"),
-            "dp": (n, f"devices ({n})"),
-            "grad_accum": (n * self.accum_steps, f"devices x accum_steps ({n}x{self.accum_steps})"),
-            "pipeline": (self.microbatches, f"pipeline.microbatches ({self.microbatches})"),
-        }
-        if self.strategy in parts:
-            div, what = parts[self.strategy]
-            if b % div:
-                return [f"batch_size: global batch {b} is not divisible by {what}"]
+        div, what = self.record.batch_divisor(self.devices, self.accum_steps, self.microbatches)
+        if self.global_batch % div:
+            return [f"batch_size: global batch {self.global_batch} is not divisible by {what}"]
         return []
 
     def static_skip_reason(self) -> str | None:
         """A skip knowable from the settings alone, so no process need import torch to
         find out. Runtime checks (CUDA devices visible) live in each strategy."""
-        if self.strategy == "dp" and self.devices > 1 and self.device == "cpu":
+        rec = self.record
+        if rec.cuda_only_beyond_one and self.devices > 1 and self.device == "cpu":
             return (
-                f"nn.DataParallel needs {self.devices} CUDA devices; on CPU it silently runs "
+                f"{rec.label} needs {self.devices} CUDA devices; on CPU it silently runs "
                 "a single copy, so no honest multi-device number exists"
             )
-        if self.nodes > 1 and not uses_torchrun(self.strategy, self.devices):
+        if self.nodes > 1 and not rec.uses_torchrun(self.devices):
             return (
                 f"{self.strategy} runs in one process, which cannot span nodes: "
                 f"{self.devices} devices > gpus_per_node ({self.gpus_per_node})"
             )
+        if self.compile and not rec.compiles:
+            return f"torch.compile does not compose with {rec.label} (compile: true)"
         return None
 
     def identity(self) -> dict:
-        """The cell's key in every record and table."""
+        """The cell's key in every record and table (records.CELL_KEYS, in that order)."""
         return {
             "model": self.model_name,
+            "precision": self.precision,
+            "optimizer": self.optimizer,
+            "compile": self.compile,
             "strategy": self.strategy,
             "devices": self.devices,
             "repeat": self.repeat,
@@ -184,8 +296,13 @@ class RunSpec:
 
     def to_dict(self) -> dict:
         d = asdict(self)
-        d["model"] = {"arch": self.model.arch, **dict(self.model.sizes)}
+        d["model"] = self.model.to_dict()
         return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> RunSpec:
+        """Inverse of to_dict (keys this version does not know are an error)."""
+        return cls(**{**d, "model": ModelSpec.from_dict(d["model"])})
 
     def config_hash(self) -> str:
         """Hash of what defines the maths and sizes (not the repeat index)."""

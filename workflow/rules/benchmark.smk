@@ -5,31 +5,24 @@
 
 rule benchmark:
     output:
-        meta=f"{RESULTS}/runs/{{model}}/{{strategy}}/n{{devices}}/r{{repeat}}/meta.json",
-        steps=f"{RESULTS}/runs/{{model}}/{{strategy}}/n{{devices}}/r{{repeat}}/steps.csv",
+        meta=f"{RESULTS}/{CELL_DIR}/meta.json",
+        steps=f"{RESULTS}/{CELL_DIR}/steps.csv",
     conda:
         "../envs/parabench.yaml"
     log:
-        "logs/runs/{model}/{strategy}/n{devices}/r{repeat}.log",
+        f"logs/{CELL_DIR}.log",
     benchmark:
-        "logs/runs/{model}/{strategy}/n{devices}/r{repeat}.bench.tsv"
+        f"logs/{CELL_DIR}.bench.tsv"
     wildcard_constraints:
-        model=r"[A-Za-z][A-Za-z0-9_]*",
-        strategy="|".join(STRATEGIES),
-        devices=r"[1-9][0-9]*",
-        repeat=r"[0-9]+",
+        **WILDCARDS,
     threads: lambda wc: max(1, int(wc.devices))
     resources:
         gpu=gpus,
         runtime=lambda wc: int(config["cell_timeout_s"] // 60) + 5,
     params:
-        launch=launcher,
-        args=run_args,
-        timeout=config["cell_timeout_s"],
-        out=lambda wc, output: Path(output.meta).parent,
+        launch=guarded_launch,
     shell:
-        "parabench guard --out {params.out:q} --timeout {params.timeout} -- "
-        "{params.launch} run {params.args} --out {params.out:q} > {log:q} 2>&1"
+        "{params.launch} > {log:q} 2>&1"
 
 
 # A cell needing more GPUs than one node has: one srun task per node, each running a
@@ -43,19 +36,16 @@ ruleorder: benchmark_multinode > benchmark
 
 rule benchmark_multinode:
     output:
-        meta=f"{RESULTS}/runs/{{model}}/{{strategy}}/n{{devices}}/r{{repeat}}/meta.json",
-        steps=f"{RESULTS}/runs/{{model}}/{{strategy}}/n{{devices}}/r{{repeat}}/steps.csv",
+        meta=f"{RESULTS}/{CELL_DIR}/meta.json",
+        steps=f"{RESULTS}/{CELL_DIR}/steps.csv",
     conda:
         "../envs/parabench.yaml"
     log:
-        "logs/runs/{model}/{strategy}/n{devices}/r{repeat}.log",
+        f"logs/{CELL_DIR}.log",
     benchmark:
-        "logs/runs/{model}/{strategy}/n{devices}/r{repeat}.bench.tsv"
+        f"logs/{CELL_DIR}.bench.tsv"
     wildcard_constraints:
-        model=r"[A-Za-z][A-Za-z0-9_]*",
-        strategy="ddp|pipeline|grad_accum",
-        devices=MULTINODE_DEVICES_RE,
-        repeat=r"[0-9]+",
+        **{**WILDCARDS, "strategy": MULTINODE_STRATEGIES_RE, "devices": MULTINODE_DEVICES_RE},
     threads: lambda wc: min(int(wc.devices), config["gpus_per_node"])
     resources:
         mpi="srun",

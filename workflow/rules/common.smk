@@ -5,9 +5,10 @@ from pathlib import Path
 
 from snakemake.exceptions import WorkflowError
 
-from parabench.catalog import STRATEGIES, uses_torchrun
+from parabench.catalog import OPTIMIZERS, PRECISIONS, STRATEGIES, multi_rank
 from parabench.cli import spec_argv
 from parabench.config import cells, problems
+from parabench.launch import guarded_argv
 
 RESULTS = config["results"]
 # The repository (where report/ lives), whatever the working directory is.
@@ -26,8 +27,22 @@ def cell_dir(path):
     return f"{RESULTS}/{path}"
 
 
+# Wildcard patterns, from the catalog: a cell's directory is
+# runs/{model}/{variant}/{strategy}/n{devices}/r{repeat}, variant e.g. bf16-adamw-compile.
+CELL_DIR = "runs/{model}/{variant}/{strategy}/n{devices}/r{repeat}"
+WILDCARDS = {
+    "model": r"[A-Za-z][A-Za-z0-9_]*",
+    "variant": rf"({'|'.join(PRECISIONS)})-({'|'.join(OPTIMIZERS)})(-compile)?",
+    "strategy": "|".join(STRATEGIES),
+    "devices": r"[1-9][0-9]*",
+    "repeat": r"[0-9]+",
+}
+
+
 def _cell(wc):
-    return CELLS[f"runs/{wc.model}/{wc.strategy}/n{wc.devices}/r{wc.repeat}"]
+    return CELLS[
+        f"runs/{wc.model}/{wc.variant}/{wc.strategy}/n{wc.devices}/r{wc.repeat}"
+    ]
 
 
 def run_args(wc):
@@ -36,12 +51,11 @@ def run_args(wc):
     return shlex.join(spec_argv(_cell(wc).spec))
 
 
-def launcher(wc):
-    """torchrun for strategies with one rank per device, plain python otherwise."""
-    n = int(wc.devices)
-    if uses_torchrun(wc.strategy, n):
-        return f"torchrun --standalone --nnodes 1 --nproc-per-node {n} -m parabench"
-    return "python -m parabench"
+def guarded_launch(wc, output):
+    """The cell's launch under `parabench guard` (torchrun for several ranks, plain
+    python otherwise), shell-quoted."""
+    out = Path(output.meta).parent
+    return shlex.join(guarded_argv(_cell(wc).spec, out, config["cell_timeout_s"]))
 
 
 def gpus(wc):
@@ -59,6 +73,7 @@ MULTINODE_DEVICES = sorted(
     {c.spec.devices for c in CELLS.values() if c.spec.nodes > 1 and not c.spec.static_skip_reason()}
 )
 MULTINODE_DEVICES_RE = "|".join(map(str, MULTINODE_DEVICES)) or "(?!)"
+MULTINODE_STRATEGIES_RE = "|".join(multi_rank())
 
 
 def nodes(wc):

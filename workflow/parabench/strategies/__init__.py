@@ -1,32 +1,40 @@
-"""One module per strategy; `get` maps the config's names to them.
+"""One module per strategy; `get` finds a strategy's class from its catalog record.
 
-Imports are lazy: torch.distributed.pipelining alone takes over a second to import,
-which every short cell would otherwise pay.
+Imports are lazy: torch.distributed.pipelining or FSDP alone take over a second to
+import, which every short cell would otherwise pay.
 """
 
 from __future__ import annotations
 
 import importlib
 
-from parabench.catalog import STRATEGIES
-from parabench.strategies.base import Strategy
+import torch
 
-_WHERE = {
-    "single": "single:Single",
-    "dp": "dp:DataParallel",
-    "ddp": "ddp:DistributedDataParallel",
-    "model_parallel": "model_parallel:ModelParallel",
-    "pipeline": "pipeline:Pipeline",
-    "grad_accum": "grad_accum:GradAccum",
-}
-assert tuple(_WHERE) == STRATEGIES, "catalog.STRATEGIES and the strategy modules must agree"
+from parabench.catalog import record
+from parabench.models import Model
+from parabench.runtime import Context
+from parabench.spec import RunSpec
+from parabench.strategies.base import Strategy
 
 
 def get(name: str) -> type[Strategy]:
-    module, cls = _WHERE[name].split(":")
+    module, cls = record(name).impl.split(":")
     strategy = getattr(importlib.import_module(f"{__name__}.{module}"), cls)
-    assert strategy.name == name
+    assert strategy.name == name, f"{record(name).impl} is {strategy.name!r}, not {name!r}"
     return strategy
 
 
-__all__ = ["Strategy", "get"]
+def build(model: Model, spec: RunSpec, ctx: Context) -> Strategy:
+    """The strategy for this cell, set up on `model`, compiled if the cell says so."""
+    strategy = get(spec.strategy)(model, spec, ctx)
+    if spec.compile:
+        # Each block's forward, as torchtitan compiles per block. After the strategy
+        # has wrapped the model, so no shape probe in a constructor compiles on the
+        # wrong device; the forward only, so wrappers' hooks (FSDP's all-gather, DDP's)
+        # stay outside the compiled region; in place, so parameter names do not change.
+        for block in model.blocks:
+            block.forward = torch.compile(block.forward)
+    return strategy
+
+
+__all__ = ["Strategy", "build", "get"]

@@ -3,10 +3,15 @@
 A strategy prepares the model its way (wrap, cut, place), runs one optimizer step on
 its part of a global batch, and hands back the full parameters for the equivalence
 check. It never times anything: the measurement loop (loop.py) does, once for all.
+
+What every strategy shares is defined here, once: the optimizer (SGD or AdamW) and bf16
+autocast around the forward with the loss in fp32. torch.compile is applied per block
+by strategies.build, after the strategy has wrapped the model.
 """
 
 from __future__ import annotations
 
+import contextlib
 from abc import ABC, abstractmethod
 from collections import OrderedDict
 from typing import ClassVar
@@ -35,11 +40,46 @@ class Strategy(ABC):
     @classmethod
     def skip_reason(cls, spec: RunSpec, ctx: Context) -> str | None:
         """Why this cell cannot give an honest number on this machine, or None."""
+        if ctx.device.type != "cuda":
+            return None
+        per_node, have = spec.devices // spec.nodes, torch.cuda.device_count()
+        if have < per_node:
+            return f"{spec.devices} devices need {per_node} CUDA devices per node; {have} visible"
+        if spec.precision == "bf16" and not torch.cuda.is_bf16_supported():
+            return f"precision bf16: {torch.cuda.get_device_name()} has no bfloat16 support"
         return None
+
+    #: The module this process trains (wrapped, sharded or a stage) and its optimizer.
+    module: nn.Module
+    opt: torch.optim.Optimizer
 
     def __init__(self, model: Model, spec: RunSpec, ctx: Context) -> None:
         self.spec, self.ctx = spec, ctx
-        self.loss_fn = model.loss_fn
+        self.loss_fn = fp32_loss(model.loss_fn)
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        """The forward's precision context: bf16 autocast, or nothing for fp32."""
+        return autocast(self.spec.precision, self.ctx.device)
+
+    def local_optimizer(self) -> torch.optim.Optimizer:
+        """The optimizer whose state this rank holds (ZeRO's is its own shard)."""
+        return self.opt
+
+    def held_bytes(self) -> dict[str, int]:
+        """Bytes of parameters, gradients and optimizer state this rank holds between
+        steps, counted from the tensors themselves (a DTensor counts its local shard)."""
+        params = list(self.module.parameters())
+        state = [
+            v
+            for per_param in self.local_optimizer().state.values()
+            for v in per_param.values()
+            if isinstance(v, torch.Tensor)
+        ]
+        return {
+            "params": _nbytes(params),
+            "grads": _nbytes([p.grad for p in params if p.grad is not None]),
+            "optimizer": _nbytes(state),
+        }
 
     @property
     def shard(self) -> Shard:
@@ -65,20 +105,70 @@ class Strategy(ABC):
         (None on other ranks). Collective: every rank must call it."""
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t  # a DTensor's own shard
+
+
+def _nbytes(tensors: list[torch.Tensor]) -> int:
+    return sum(_local(t).numel() * _local(t).element_size() for t in tensors)
+
+
 def cpu_params(module: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().to("cpu", copy=True) for k, v in module.named_parameters()}
 
 
-def sgd(params, spec: RunSpec) -> torch.optim.Optimizer:
-    return torch.optim.SGD(params, lr=spec.lr)
+def full_params(module: nn.Module, ctx: Context) -> dict[str, torch.Tensor] | None:
+    """Whole parameters on rank 0 for a module whose parameters are DTensors (FSDP's
+    shards, tensor-parallel slices) or plain replicas. Collective: every rank calls it."""
+    out = {}
+    for k, v in module.named_parameters():
+        whole = v.full_tensor() if hasattr(v, "full_tensor") else v  # gathers a DTensor
+        out[k] = whole.detach().to("cpu", copy=True)
+    return out if ctx.is_main else None
+
+
+def fp32_loss(loss_fn):
+    """The loss on fp32 outputs: under bf16 autocast the forward's output is bf16, and
+    losses such as BCE are unsafe to autocast (on CUDA they refuse)."""
+
+    def loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return loss_fn(out.float(), target)
+
+    return loss
+
+
+def autocast(precision: str, device: torch.device) -> contextlib.AbstractContextManager:
+    if precision == "bf16":
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def optimizer_class(spec: RunSpec) -> tuple[type[torch.optim.Optimizer], dict]:
+    """The optimizer and its settings, for strategies that build it themselves (ZeRO).
+    AdamW keeps torch's defaults (betas 0.9/0.999, eps 1e-8, weight decay 0.01)."""
+    if spec.optimizer == "adamw":
+        return torch.optim.AdamW, {"lr": spec.lr}
+    return torch.optim.SGD, {"lr": spec.lr}
+
+
+def make_optimizer(params, spec: RunSpec) -> torch.optim.Optimizer:
+    cls, kwargs = optimizer_class(spec)
+    return cls(params, **kwargs)
 
 
 def train_step(
-    module: nn.Module, loss_fn, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor
+    module: nn.Module,
+    loss_fn,
+    opt: torch.optim.Optimizer,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    precision: contextlib.AbstractContextManager,
 ) -> torch.Tensor:
     """Plain forward, backward, update: the baseline every strategy is measured against."""
     opt.zero_grad(set_to_none=True)
-    loss = loss_fn(module(x), y)
+    with precision:
+        out = module(x)
+    loss = loss_fn(out, y)
     loss.backward()
     opt.step()
     return loss.detach()

@@ -12,7 +12,7 @@ from parabench.data import Shard
 from parabench.models import Model
 from parabench.runtime import Context
 from parabench.spec import RunSpec
-from parabench.strategies.base import Strategy, cpu_params, sgd, train_step
+from parabench.strategies.base import Strategy, cpu_params, make_optimizer, train_step
 
 
 def wrap_ddp(model: Model, ctx: Context) -> DDP:
@@ -28,7 +28,10 @@ class DistributedDataParallel(Strategy):
     def __init__(self, model: Model, spec: RunSpec, ctx: Context) -> None:
         super().__init__(model, spec, ctx)
         self.module = wrap_ddp(model, ctx)
-        self.opt = sgd(self.module.parameters(), spec)
+        self.opt = self.make_opt(self.module.parameters())
+
+    def make_opt(self, params) -> torch.optim.Optimizer:
+        return make_optimizer(params, self.spec)
 
     @property
     def shard(self) -> Shard:
@@ -37,7 +40,8 @@ class DistributedDataParallel(Strategy):
     def step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         # DDP averages gradients over ranks, so the mean of per-rank mean losses is the
         # global mean loss: each rank contributes 1/n of its own.
-        return train_step(self.module, self.loss_fn, self.opt, x, y) / self.ctx.world_size
+        loss = train_step(self.module, self.loss_fn, self.opt, x, y, self.autocast())
+        return loss / self.ctx.world_size
 
     def full_state(self) -> dict[str, torch.Tensor] | None:
         # Replicas are identical after every step; rank 0's copy is the model.

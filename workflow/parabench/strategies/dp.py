@@ -15,7 +15,7 @@ from torch import nn
 from parabench.models import Model
 from parabench.runtime import Context
 from parabench.spec import RunSpec
-from parabench.strategies.base import Strategy, cpu_params, sgd, train_step
+from parabench.strategies.base import Strategy, cpu_params, make_optimizer, train_step
 
 
 class DataParallel(Strategy):
@@ -25,24 +25,21 @@ class DataParallel(Strategy):
     def skip_reason(cls, spec: RunSpec, ctx: Context) -> str | None:
         if ctx.device.type != "cuda":  # also device "auto" that found no GPU
             return replace(spec, device="cpu").static_skip_reason()
-        have = torch.cuda.device_count()
-        if have < spec.devices:
-            return f"nn.DataParallel needs {spec.devices} CUDA devices; {have} visible"
-        return None
+        return super().skip_reason(spec, ctx)
 
     def __init__(self, model: Model, spec: RunSpec, ctx: Context) -> None:
         super().__init__(model, spec, ctx)
         inner = model.blocks.to(ctx.device)
         ids = list(range(spec.devices)) if ctx.device.type == "cuda" else None
         self.module = nn.DataParallel(inner, device_ids=ids)
-        self.opt = sgd(self.module.parameters(), spec)
+        self.opt = make_optimizer(self.module.parameters(), spec)
         self._devices = [torch.device("cuda", i) for i in ids] if ids else [ctx.device]
 
     def devices(self) -> list[torch.device]:
         return self._devices
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return train_step(self.module, self.loss_fn, self.opt, x, y)
+        return train_step(self.module, self.loss_fn, self.opt, x, y, self.autocast())
 
     def full_state(self) -> dict[str, torch.Tensor]:
         return cpu_params(self.module.module)

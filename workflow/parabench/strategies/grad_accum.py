@@ -15,7 +15,7 @@ from parabench.data import Shard
 from parabench.models import Model
 from parabench.runtime import Context
 from parabench.spec import RunSpec
-from parabench.strategies.base import Strategy, cpu_params, sgd
+from parabench.strategies.base import Strategy, cpu_params, make_optimizer
 from parabench.strategies.ddp import wrap_ddp
 
 
@@ -27,7 +27,7 @@ class GradAccum(Strategy):
         self.k = spec.accum_steps
         self.ddp = ctx.world_size > 1
         self.module = wrap_ddp(model, ctx) if self.ddp else model.blocks.to(ctx.device)
-        self.opt = sgd(self.module.parameters(), spec)
+        self.opt = make_optimizer(self.module.parameters(), spec)
 
     @property
     def shard(self) -> Shard:
@@ -41,7 +41,9 @@ class GradAccum(Strategy):
             last = i == self.k - 1
             sync = contextlib.nullcontext() if last or not self.ddp else self.module.no_sync()
             with sync:
-                loss = self.loss_fn(self.module(xm), ym) / self.k
+                with self.autocast():
+                    out = self.module(xm)
+                loss = self.loss_fn(out, ym) / self.k
                 loss.backward()
             total += loss.detach()
         self.opt.step()

@@ -16,7 +16,7 @@ from parabench.spec import RunSpec
 from parabench.strategies.base import (
     Strategy,
     cpu_params,
-    sgd,
+    make_optimizer,
     stage_cuts,
     stage_module,
     train_step,
@@ -40,15 +40,6 @@ class Staged(nn.Module):
 class ModelParallel(Strategy):
     name = "model_parallel"
 
-    @classmethod
-    def skip_reason(cls, spec: RunSpec, ctx: Context) -> str | None:
-        if ctx.device.type == "cuda" and torch.cuda.device_count() < spec.devices:
-            return (
-                f"{spec.devices} stages need {spec.devices} CUDA devices; "
-                f"{torch.cuda.device_count()} visible"
-            )
-        return None
-
     def __init__(self, model: Model, spec: RunSpec, ctx: Context) -> None:
         super().__init__(model, spec, ctx)
         n = spec.devices
@@ -60,7 +51,7 @@ class ModelParallel(Strategy):
         self.stage_cuts = stage_cuts(model, n)
         stages = [stage_module(model.blocks, lo, hi) for lo, hi in self.stage_cuts]
         self.module = Staged(stages, self._devices)
-        self.opt = sgd(self.module.parameters(), spec)
+        self.opt = make_optimizer(self.module.parameters(), spec)
 
     @property
     def data_device(self) -> torch.device:
@@ -71,9 +62,8 @@ class ModelParallel(Strategy):
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         # The labels must reach the last stage, where the loss is computed.
-        return train_step(
-            self.module, self.loss_fn, self.opt, x, y.to(self._devices[-1], non_blocking=True)
-        )
+        y = y.to(self._devices[-1], non_blocking=True)
+        return train_step(self.module, self.loss_fn, self.opt, x, y, self.autocast())
 
     def full_state(self) -> dict[str, torch.Tensor]:
         out: dict[str, torch.Tensor] = {}

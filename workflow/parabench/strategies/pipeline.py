@@ -5,39 +5,50 @@ stages work at once; GPipe runs all forwards then all backwards, 1F1B interleave
 to bound activation memory (needs m >= stages). The idle share (bubble) is
 (n-1)/(m+n-1). The schedule divides gradients by m (scale_grads), so one step equals
 `single`'s step on the whole batch.
+
+In bf16, activations and their gradients cross stage boundaries in bf16, as in real
+bf16 pipelines; parameters, gradients and the optimizer stay fp32.
 """
 
 from __future__ import annotations
 
 import torch
+from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-from parabench.models import Model
+from parabench.models import Model, example_batch
 from parabench.runtime import Context
 from parabench.spec import RunSpec
 from parabench.strategies.base import (
     Strategy,
+    autocast,
     cpu_params,
     gather_state,
-    sgd,
+    make_optimizer,
     stage_cuts,
     stage_module,
 )
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+class InPrecision(nn.Module):
+    """A stage run in the cell's precision. The schedule calls the stage itself, so the
+    autocast context must live inside it; the output is cast to the compute dtype so
+    the next stage knows what it receives before anything runs."""
+
+    def __init__(self, stage: nn.Module, precision: str, device: torch.device) -> None:
+        super().__init__()
+        self.stage, self.precision, self.device = stage, precision, device
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with autocast(self.precision, self.device):
+            return self.stage(x).to(DTYPES[self.precision])
 
 
 class Pipeline(Strategy):
     name = "pipeline"
-
-    @classmethod
-    def skip_reason(cls, spec: RunSpec, ctx: Context) -> str | None:
-        if ctx.device.type == "cuda" and torch.cuda.device_count() <= ctx.local_rank:
-            return (
-                f"{spec.devices} stages need {spec.devices} CUDA devices; "
-                f"{torch.cuda.device_count()} visible"
-            )
-        return None
 
     def __init__(self, model: Model, spec: RunSpec, ctx: Context) -> None:
         super().__init__(model, spec, ctx)
@@ -53,21 +64,23 @@ class Pipeline(Strategy):
         # neither sends nor expects gradients.
         micro = spec.global_batch // spec.microbatches
         with torch.no_grad():
-            act = torch.zeros(micro, model.in_features)
+            act = example_batch(model, micro)[0]
             for i in range(lo):
                 act = model.blocks[i](act)
             example_in = act.clone()
             example_out = cpu_stage(act)
         self.module = cpu_stage.to(ctx.device)
-        self.opt = sgd(self.module.parameters(), spec)
-        example_in = example_in.to(ctx.device).requires_grad_(not self.first)
+        self.opt = make_optimizer(self.module.parameters(), spec)
+        wire = DTYPES[spec.precision]  # what crosses a stage boundary
+        in_dtype = example_in.dtype if self.first else wire
+        example_in = example_in.to(ctx.device, in_dtype).requires_grad_(not self.first)
         stage = PipelineStage(
-            self.module,
+            InPrecision(self.module, spec.precision, ctx.device),
             r,
             n,
             ctx.device,
             input_args=(example_in,),
-            output_args=(example_out.to(ctx.device).requires_grad_(True),),
+            output_args=(example_out.to(ctx.device, wire).requires_grad_(True),),
         )
         self.schedule = SCHEDULES[spec.schedule](
             stage, n_microbatches=spec.microbatches, loss_fn=self.loss_fn

@@ -7,7 +7,7 @@ import torch
 from parabench.models import Model
 from parabench.runtime import Context
 from parabench.spec import RunSpec
-from parabench.strategies.base import Strategy, cpu_params, sgd, train_step
+from parabench.strategies.base import Strategy, cpu_params, make_optimizer, train_step
 
 
 class Single(Strategy):
@@ -16,10 +16,10 @@ class Single(Strategy):
     def __init__(self, model: Model, spec: RunSpec, ctx: Context) -> None:
         super().__init__(model, spec, ctx)
         self.module = model.blocks.to(ctx.device)
-        self.opt = sgd(self.module.parameters(), spec)
+        self.opt = make_optimizer(self.module.parameters(), spec)
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return train_step(self.module, self.loss_fn, self.opt, x, y)
+        return train_step(self.module, self.loss_fn, self.opt, x, y, self.autocast())
 
     def full_state(self) -> dict[str, torch.Tensor]:
         return cpu_params(self.module)

@@ -1,0 +1,127 @@
+"""Your own model: `arch: custom`, `factory: "module.path:function"`, `args: {...}`.
+
+The factory is plain PyTorch. Called with `args` as keyword arguments, it returns
+dict(blocks=nn.Sequential, loss=callable(output, target) -> scalar mean,
+batch=callable(batch_size, generator) -> (inputs, targets)), and optionally tp_plan=
+{module name: "colwise" | "rowwise" | a ParallelStyle}. The module is found on the
+working directory or PYTHONPATH. See docs/custom-models.md.
+
+The factory is imported and checked when the workflow plans, before any job: an import
+that fails, a factory that raises, a return value that breaks the contract, blocks that
+do not chain on the batch, a loss that is not a scalar. Each problem is one sentence;
+the config check prefixes the key (models.<name>.factory).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import os
+import sys
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from parabench.models import Model, example_batch
+from parabench.spec import ModelSpec
+
+
+class FactoryError(ValueError):
+    """The factory cannot give a model that keeps the contract."""
+
+
+@dataclass(frozen=True)
+class FactoryReport:
+    """What planning needs to know of a custom model, and what is wrong with it."""
+
+    problems: list[str] = field(default_factory=list)
+    n_blocks: int = 0
+    has_tp_plan: bool = False
+
+
+def _load(path: str):
+    module_name, _, function = path.partition(":")
+    if not module_name or not function:
+        raise FactoryError(f"{path!r} is not 'module.path:function'")
+    if os.getcwd() not in sys.path:  # "on the working directory or PYTHONPATH"
+        sys.path.insert(0, os.getcwd())
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as e:
+        raise FactoryError(f"cannot import {module_name!r} ({type(e).__name__}: {e})") from e
+    fn = getattr(module, function, None)
+    if not callable(fn):
+        raise FactoryError(f"module {module_name!r} has no function {function!r}")
+    return fn
+
+
+def build_custom(spec: ModelSpec) -> Model:
+    """Call the factory (the caller has seeded torch) and check what it returns."""
+    fn = _load(spec.size("factory"))
+    args = dict(spec.size("args"))
+    try:
+        got = fn(**args)
+    except Exception as e:
+        raise FactoryError(f"the factory raised {type(e).__name__}: {e}") from e
+    if not isinstance(got, dict) or not {"blocks", "loss", "batch"} <= set(got):
+        kind = f"a dict with keys {sorted(got)}" if isinstance(got, dict) else type(got).__name__
+        raise FactoryError(f"returned {kind}, not dict(blocks=..., loss=..., batch=...)")
+    blocks, loss, batch = got["blocks"], got["loss"], got["batch"]
+    if not isinstance(blocks, nn.Sequential) or len(blocks) == 0:
+        raise FactoryError(f"blocks must be a non-empty nn.Sequential, got {type(blocks).__name__}")
+    for key, value in (("loss", loss), ("batch", batch)):
+        if not callable(value):
+            raise FactoryError(f"{key} must be callable, got {type(value).__name__}")
+    plan = got.get("tp_plan") or {}
+    if not isinstance(plan, dict):
+        raise FactoryError(f"tp_plan must be a dict, got {type(plan).__name__}")
+    for fqn in plan:
+        try:
+            blocks.get_submodule(fqn)
+        except AttributeError:
+            raise FactoryError(f"tp_plan names {fqn!r}, which is not a module of blocks") from None
+    return Model(blocks, loss, batch, dict(plan), device_batches=False)
+
+
+def check_runs(model: Model, n: int = 4) -> None:
+    """The batch is deterministic, the blocks chain on it, the loss is a scalar."""
+    try:
+        x, y = example_batch(model, n)
+        x2, _ = example_batch(model, n)
+    except Exception as e:
+        raise FactoryError(f"batch({n}, generator) raised {type(e).__name__}: {e}") from e
+    if not (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor)):
+        raise FactoryError("batch must return (inputs, targets) tensors")
+    if x.shape[0] != n or y.shape[0] != n:
+        raise FactoryError(f"batch({n}, ...) gave a first dimension of {x.shape[0]}, not {n}")
+    if not torch.equal(x, x2):
+        raise FactoryError("batch is not deterministic: draw every value from the generator")
+    act = x
+    with torch.no_grad():
+        for i, block in enumerate(model.blocks):
+            try:
+                act = block(act)
+            except Exception as e:
+                raise FactoryError(
+                    f"blocks do not chain on the batch: block {i} ({type(block).__name__}) "
+                    f"raised {type(e).__name__}: {e}"
+                ) from e
+        try:
+            value = model.loss_fn(act, y)
+        except Exception as e:
+            raise FactoryError(f"loss(output, target) raised {type(e).__name__}: {e}") from e
+    if not isinstance(value, torch.Tensor) or value.dim() != 0:
+        raise FactoryError("loss must return a scalar tensor (the mean over the batch)")
+
+
+@functools.cache
+def inspect_factory(spec: ModelSpec) -> FactoryReport:
+    """Import, call and check the factory once per process (planning, each cell)."""
+    try:
+        torch.manual_seed(0)
+        model = build_custom(spec)
+        check_runs(model)
+    except FactoryError as e:
+        return FactoryReport(problems=[str(e)])
+    return FactoryReport(n_blocks=len(model.blocks), has_tp_plan=bool(model.tp_plan))

@@ -1,0 +1,88 @@
+"""Profiled steps: a few extra steps under torch.profiler, after the timed steps.
+
+Timed steps are never profiled (the profiler adds work to every op); these extra steps
+run after the timed ones and after the parameters for the equivalence check are saved,
+on the same strategy and fresh batches. Each rank keeps its trace beside the cell's
+records (Chrome trace JSON, gzipped: open it in https://ui.perfetto.dev) and reads from
+it what the timings alone cannot tell.
+
+Memory on CPU: torch.profiler's memory events carry the allocator's running total of
+bytes allocated since profiling began. What a step needs at its peak is what was
+already held between steps (parameters and optimizer state, counted from the tensors;
+the previous gradients are freed by zero_grad before anything is allocated) plus that
+running total's peak. On CUDA the allocator's own high-water mark says it directly.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile, record_function
+
+from parabench.loop import synchronizer
+from parabench.runtime import Context
+from parabench.strategies.base import Strategy
+
+STEP_MARK = "parabench.step"  # record_function around each profiled step
+
+
+@dataclass
+class Profiled:
+    trace: str  # file name of this rank's trace, in the cell directory
+    events: list[dict]  # its Chrome trace events
+    cpu_alloc_peak: int  # peak of bytes allocated on the CPU within the profiled steps
+
+
+def profile_steps(
+    strategy: Strategy, batches, first_step: int, count: int, ctx: Context, out: Path
+) -> Profiled:
+    """Run `count` steps from `first_step` under the profiler; keep this rank's trace."""
+    sync = synchronizer(strategy.devices())
+    activities = [ProfilerActivity.CPU]
+    if ctx.device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    sync()
+    with profile(activities=activities, profile_memory=True) as prof:
+        for step in range(first_step, first_step + count):
+            x, y = batches.batch(step)
+            with record_function(STEP_MARK):
+                strategy.step(x, y)
+                sync()
+    name = f"trace-rank{ctx.rank}.json.gz"
+    raw = out / f".{name}.tmp.json"
+    out.mkdir(parents=True, exist_ok=True)
+    prof.export_chrome_trace(str(raw))
+    try:
+        events = json.loads(raw.read_text()).get("traceEvents", [])
+        with open(raw, "rb") as src, gzip.open(out / f".{name}.tmp", "wb") as dst:
+            shutil.copyfileobj(src, dst)
+        (out / f".{name}.tmp").replace(out / name)  # whole or absent, never half-written
+    finally:
+        raw.unlink(missing_ok=True)
+        (out / f".{name}.tmp").unlink(missing_ok=True)
+    return Profiled(name, events, cpu_alloc_peak(events))
+
+
+def cpu_alloc_peak(events: list[dict]) -> int:
+    """Peak of the CPU allocator's running total in the profiler's memory events."""
+    totals = [
+        e["args"].get("Total Allocated", 0)
+        for e in events
+        if e.get("name") == "[memory]" and e.get("args", {}).get("Device Type") == 0
+    ]
+    return max(totals, default=0)
+
+
+def peak_memory(devices: list[torch.device], held: dict[str, int], profiled: Profiled) -> int:
+    """Peak bytes per device of this process: the allocator's high-water mark on CUDA
+    (max over its devices); on CPU, what was held between steps plus the profiled
+    steps' peak allocation (see the module's docstring)."""
+    cuda = [d for d in devices if d.type == "cuda"]
+    if cuda:
+        return max(torch.cuda.max_memory_allocated(d) for d in cuda)
+    return held["params"] + held["optimizer"] + profiled.cpu_alloc_peak

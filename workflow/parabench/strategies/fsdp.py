@@ -1,0 +1,48 @@
+"""fsdp: FSDP2, `fully_shard` on each block and then on the root, over a 1-D device mesh
+of n ranks; each rank takes B/n of the global batch.
+
+Parameters, gradients and optimizer state are sharded: each rank holds 1/n of every
+parameter (dim 0, padded to divide) as a DTensor. Before a block's forward its
+parameters are all-gathered; after its backward, gradients are reduce-scattered (and
+averaged), so the optimizer steps on the local shard only. reshard_after_forward=True
+frees the gathered parameters after forward and gathers them again in backward (ZeRO-3);
+False keeps them from forward to backward (ZeRO-2-like: less communication, more memory).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+from parabench.data import Shard
+from parabench.models import Model
+from parabench.runtime import Context
+from parabench.spec import RunSpec
+from parabench.strategies.base import Strategy, full_params, make_optimizer, train_step
+
+
+class FullyShard(Strategy):
+    name = "fsdp"
+
+    def __init__(self, model: Model, spec: RunSpec, ctx: Context) -> None:
+        super().__init__(model, spec, ctx)
+        mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
+        blocks = model.blocks.to(ctx.device)
+        for block in blocks:  # one all-gather / reduce-scatter unit per block
+            fully_shard(block, mesh=mesh, reshard_after_forward=spec.fsdp_reshard)
+        fully_shard(blocks, mesh=mesh, reshard_after_forward=spec.fsdp_reshard)
+        self.module = blocks
+        self.opt = make_optimizer(blocks.parameters(), spec)
+
+    @property
+    def shard(self) -> Shard:
+        return Shard(self.ctx.rank, self.ctx.world_size)
+
+    def step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        # Gradients are averaged over ranks (reduce-scatter), as in DDP.
+        loss = train_step(self.module, self.loss_fn, self.opt, x, y, self.autocast())
+        return loss / self.ctx.world_size
+
+    def full_state(self) -> dict[str, torch.Tensor] | None:
+        return full_params(self.module, self.ctx)
