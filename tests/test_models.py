@@ -1,0 +1,165 @@
+"""Models: the gpt preset's shape, FLOPs and tensor-parallel plan, and a user's own
+model through its factory, checked when the workflow plans, each problem naming
+models.<name>.factory."""
+
+import textwrap
+
+import pytest
+import torch
+
+from parabench.config import problems
+from parabench.flops import step_flops
+from parabench.models import build, maths_notes
+from parabench.spec import ModelSpec
+
+GPT = ModelSpec.of("gpt", vocab=256, seq_len=64, n_layer=4, n_head=4, d_model=64)
+
+
+def test_gpt_flops_per_step_equal_the_analytic_count_with_attention():
+    # Forward, per token: 2 x every Linear's weights (q, k, v, out, the MLP's 4d and d
+    # layers, the LM head); per layer 2 x 2 x T x d for QK^T and attention x V (SDPA
+    # counts the full T x T). Backward is twice the forward: every Linear needs its
+    # weight and its input gradient (the embeddings' output requires grad), and so do
+    # both attention products. Embedding lookups, norms and activations are not matmuls.
+    b, v, t, layers, d = 8, 256, 64, 4, 64
+    linear = layers * (4 * d * d + 2 * 4 * d * d) + d * v
+    forward = 2 * b * t * linear + layers * 2 * 2 * b * t * t * d
+    assert step_flops(build(GPT, 0), b) == 3 * forward
+
+
+def test_gpt_shape_blocks_and_plan():
+    model = build(GPT, 0)
+    assert len(model.blocks) == GPT.n_blocks() == 4 + 2  # embedding, layers, head
+    x, y = model.batch(3, torch.Generator().manual_seed(0))
+    assert x.shape == y.shape == (3, 64) and x.dtype == torch.long
+    assert torch.equal(x[:, 1:], y[:, :-1]), "targets are the next tokens"
+    logits = model.blocks(x)
+    assert logits.shape == (3, 64, 256)
+    assert model.loss_fn(logits, y).dim() == 0
+    assert model.tokens_per_sample == 64
+    assert {model.tp_plan[f"1.attn.{p}"] for p in "qkv"} == {"colwise"}
+    assert model.tp_plan["1.attn.out"] == model.tp_plan["1.mlp.proj"] == "rowwise"
+    assert model.tp_plan["1.mlp.fc"] == "colwise"
+    # GPT-2 small's shape (untied head, so 163M rather than 124M parameters)
+    gpt2 = build(ModelSpec.of("gpt"), 0)
+    assert sum(p.numel() for p in gpt2.blocks.parameters()) == 163_037_184
+
+
+def test_gpt_heads_must_split_over_tensor_parallel_ranks():
+    cfg = {
+        "models": {
+            "g": {
+                "arch": "gpt",
+                "n_head": 6,
+                "d_model": 48,
+                "seq_len": 8,
+                "vocab": 32,
+                "n_layer": 2,
+                "batch_size": 8,
+            }
+        },
+        "strategies": ["tp"],
+        "devices": [4],
+        "repeats": 1,
+    }
+    found = problems(cfg)
+    assert any(p.startswith("models.g.n_head: 6 attention heads") for p in found), found
+    cfg["models"]["g"]["d_model"] = 50
+    assert any("models.g.d_model: 50 is not divisible by n_head" in p for p in problems(cfg))
+
+
+FACTORIES = {
+    "import_error": ("import numpy_that_does_not_exist\n", "cannot import 'broken_import_error'"),
+    "wrong_return": ("def build():\n    return (1, 2)\n", "returned tuple, not dict(blocks="),
+    "raises": ("def build():\n    raise RuntimeError('no GPU here')\n", "raised RuntimeError"),
+    "no_chain": (
+        """
+        import torch
+        from torch import nn
+        def build():
+            def batch(n, g):
+                return torch.randn(n, 8, generator=g), torch.zeros(n, dtype=torch.long)
+            blocks = nn.Sequential(nn.Linear(8, 16), nn.Linear(32, 4))
+            return dict(blocks=blocks, loss=nn.CrossEntropyLoss(), batch=batch)
+        """,
+        "blocks do not chain on the batch: block 1 (Linear)",
+    ),
+    "not_deterministic": (
+        """
+        import torch
+        from torch import nn
+        def build():
+            def batch(n, g):
+                return torch.randn(n, 8), torch.zeros(n, dtype=torch.long)
+            return dict(blocks=nn.Sequential(nn.Linear(8, 4)), loss=nn.CrossEntropyLoss(),
+                        batch=batch)
+        """,
+        "batch is not deterministic",
+    ),
+    "not_scalar": (
+        """
+        import torch
+        from torch import nn
+        def build():
+            def batch(n, g):
+                return torch.randn(n, 8, generator=g), torch.zeros(n, dtype=torch.long)
+            return dict(blocks=nn.Sequential(nn.Linear(8, 4)),
+                        loss=nn.CrossEntropyLoss(reduction="none"), batch=batch)
+        """,
+        "loss must return a scalar",
+    ),
+    "bad_plan": (
+        """
+        import torch
+        from torch import nn
+        def build():
+            def batch(n, g):
+                return torch.randn(n, 8, generator=g), torch.zeros(n, dtype=torch.long)
+            return dict(blocks=nn.Sequential(nn.Linear(8, 4)), loss=nn.CrossEntropyLoss(),
+                        batch=batch, tp_plan={"3.fc": "colwise"})
+        """,
+        "tp_plan names '3.fc'",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", FACTORIES)
+def test_a_broken_factory_is_refused_naming_it(tmp_path, monkeypatch, case):
+    source, message = FACTORIES[case]
+    module = f"broken_{case}"
+    (tmp_path / f"{module}.py").write_text(textwrap.dedent(source))
+    monkeypatch.chdir(tmp_path)  # found on the working directory, as a user's would be
+    cfg = {
+        "models": {"mine": {"arch": "custom", "factory": f"{module}:build", "batch_size": 8}},
+        "strategies": ["single", "ddp"],
+        "devices": [1, 2],
+        "repeats": 1,
+    }
+    found = problems(cfg)
+    assert len(found) == 1, found
+    assert found[0].startswith("models.mine.factory: "), found
+    assert message in found[0], found
+
+
+def test_tp_is_refused_for_a_model_without_a_plan(tmp_path, monkeypatch):
+    (tmp_path / "plain.py").write_text(
+        textwrap.dedent(FACTORIES["not_scalar"][0]).replace('reduction="none"', "")
+    )
+    monkeypatch.chdir(tmp_path)
+    cfg = {
+        "models": {"mine": {"arch": "custom", "factory": "plain:build", "batch_size": 8}},
+        "strategies": ["single", "tp"],
+        "devices": [1, 2],
+        "repeats": 1,
+    }
+    found = problems(cfg)
+    assert found and all("models.mine declares none" in p for p in found), found
+
+
+def test_batch_dependent_and_random_layers_are_named():
+    model = build(GPT, 0)
+    assert maths_notes(model) == []
+    model.blocks.append(torch.nn.Sequential(torch.nn.BatchNorm1d(4), torch.nn.Dropout(0.1)))
+    notes = maths_notes(model)
+    assert notes[0].startswith("BatchNorm1d at blocks.6.0 normalises over the samples")
+    assert notes[1].startswith("Dropout(p=0.1) at blocks.6.1 draws random masks")
