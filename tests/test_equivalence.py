@@ -139,3 +139,15 @@ def test_half_the_learning_rate_is_detected_in_every_variant(reference, precisio
     half, _ = reference(TINY_RES, precision, optimizer, lr / 2)
     rel, tol = verdict(half, single, ref_meta)
     assert rel > 2 * tol, f"half lr only {rel:.2e} away, tolerance {tol:.2e}"
+
+
+def test_compiled_blocks_under_fsdp_do_the_same_maths(reference, tmp_path):
+    # torch.compile costs ~20-40 s per cell on CPU, so one cell: FSDP2 with each block's
+    # forward compiled (the composition torchtitan uses), against eager single.
+    single, ref_meta = reference(TINY_RES, "fp32", "sgd", LR)
+    spec = tiny_spec("fsdp", 2, model=TINY_RES, compile=True, lr=LR)
+    meta, proc = run_cell(spec, tmp_path, timeout=600)
+    assert meta["status"] == "ok", f"{meta['reason']}\n{proc.stderr[-2000:]}"
+    assert meta["spec"]["compile"] is True
+    rel, tol = verdict(load_params(tmp_path), single, ref_meta)
+    assert rel <= tol, f"compiled fsdp: {rel:.2e} > tolerance {tol:.2e}"
