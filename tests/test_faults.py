@@ -9,14 +9,15 @@ import time
 
 import pytest
 
-from conftest import launch_argv, tiny_spec
+from conftest import REPO, launch_argv, tiny_spec
+from parabench.spec import ModelSpec
 
 pytestmark = pytest.mark.slow
 
 PG_TIMEOUT = 5  # seconds: the process-group timeout a hung collective must hit
 
 
-def guarded(tmp_path, spec, fault: str, cell_timeout: float = 120):
+def guarded(tmp_path, spec, fault: str, cell_timeout: float = 120, env: dict | None = None):
     out = tmp_path / "cell"
     cmd = [
         sys.executable,
@@ -36,7 +37,7 @@ def guarded(tmp_path, spec, fault: str, cell_timeout: float = 120):
         capture_output=True,
         text=True,
         timeout=300,
-        env={**os.environ, "PARABENCH_FAULT": fault},
+        env={**os.environ, "PARABENCH_FAULT": fault, **(env or {})},
     )
     elapsed = time.monotonic() - t0
     meta = json.loads((out / "meta.json").read_text())
@@ -87,3 +88,50 @@ def test_malformed_fault_spec_is_refused(tmp_path):
     spec = tiny_spec("single", 1)
     _, meta, _ = guarded(tmp_path, spec, "explode@everything")
     assert meta["status"] == "failed" and "PARABENCH_FAULT" in meta["reason"]
+
+
+TINY_RES = ModelSpec.of("resmlp", d_in=32, width=64, depth=2, classes=10)
+MINE = ModelSpec.of("custom", factory="my_model:build", args={"width": 32, "depth": 4})
+CELL_TIMEOUT = 120
+
+
+@pytest.mark.parametrize(
+    "kind, strategy, settings, expected",
+    [
+        ("crash", "fsdp", {}, "torchrun: rank 1 failed first (exit code 13)"),
+        ("hang", "fsdp", {}, "rank 0: "),
+        ("oom", "zero1", {}, "rank 1: OutOfMemoryError: injected"),
+        ("hang", "zero1", {}, "rank 0: "),
+        ("crash", "tp", {"model": TINY_RES}, "torchrun: rank 1 failed first (exit code 13)"),
+        ("hang", "tp", {"model": TINY_RES}, "rank 0: "),
+        ("oom", "pipeline", {"model": MINE, "model_name": "mine"}, "OutOfMemoryError: injected"),
+    ],
+    ids=lambda v: v if isinstance(v, str) and " " not in v else None,
+)
+def test_faults_in_the_sharded_strategies_and_a_custom_model_end_recorded(
+    tmp_path, kind, strategy, settings, expected
+):
+    """Each fault ends as a `failed` record naming the root cause, within the
+    process-group timeout for a hang (a rank stuck in FSDP's all-gather, ZeRO's
+    broadcast or a DTensor collective), well before the cell's own timeout."""
+    spec = tiny_spec(strategy, 2, timeout_s=PG_TIMEOUT, **settings)
+    model = settings.get("model_name", "tiny")
+    proc, meta, elapsed = guarded(
+        tmp_path,
+        spec,
+        f"{kind}@{model}/{strategy}/n2/r0:rank=1:step=2",
+        cell_timeout=CELL_TIMEOUT,
+        env={"PYTHONPATH": f"{REPO / 'examples'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"},
+    )
+    print(
+        f"\nfault {kind} in {strategy}: failed after {elapsed:.1f} s "
+        f"(timeout_s {PG_TIMEOUT}, cell_timeout_s {CELL_TIMEOUT}): {meta['reason'][:160]}"
+    )
+    assert proc.returncode == 0
+    assert meta["status"] == "failed"
+    assert expected in meta["reason"], meta["reason"]
+    assert "Traceback (most recent" not in meta["reason"]
+    if kind == "hang":
+        assert "Timed out" in meta["reason"] or "timed out" in meta["reason"], meta["reason"]
+        assert PG_TIMEOUT <= elapsed < PG_TIMEOUT + 40, elapsed
+    assert elapsed < CELL_TIMEOUT / 2

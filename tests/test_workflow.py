@@ -71,7 +71,7 @@ def test_strategies_match_single_in_the_pipeline_too(run):
 
 def test_report_and_logs_exist_per_cell(run):
     assert (run / "results/report.html").stat().st_size > 10_000
-    assert len(list((run / "logs/runs").rglob("*.log"))) == 11
+    assert len(list((run / "results/logs/runs").rglob("*.log"))) == 11
 
 
 def test_second_run_does_nothing(run):

@@ -8,6 +8,7 @@ rank 0, atomically, meta.json last.
 from __future__ import annotations
 
 import io
+import os
 import time
 import traceback
 from pathlib import Path
@@ -28,46 +29,104 @@ class SpecError(ValueError):
 
 
 def run_cell(spec: RunSpec, out: Path) -> int:
-    """Run the cell and write its records under `out`. Returns the process exit code."""
+    """Run the cell and write its records under `out`. Returns the process exit code.
+
+    Whatever goes wrong from here on (no GPU, a bad launch, an exception on any rank)
+    leaves that rank's error-rank<R>.json, and rank 0 writes the `failed` record; a
+    rank that dies without Python's help (a signal, os._exit) is named by the guard."""
     problems = spec.problems()
     if problems:
         raise SpecError("; ".join(problems))
     out = Path(out)
-    (out / "params.pt").unlink(missing_ok=True)  # never leave a stale one beside new results
+    rank = int(os.environ.get("RANK", "0"))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if rank == 0:
+        (out / "params.pt").unlink(missing_ok=True)  # never a stale one beside new results
     t_start = time.perf_counter()
-    ctx = runtime.start(spec)
-    env = envinfo.describe(ctx.device.type)
-    common = {
-        "env": env,
-        "world_size": ctx.world_size,
-        "threads_per_rank": ctx.threads,
-        "device_type": ctx.device.type,
-    }
+    ctx: runtime.Context | None = None
+    common: dict = {"env": envinfo.base(), "world_size": world}
     try:
+        ctx = runtime.start(spec)
+        common = {
+            "env": envinfo.describe(ctx.device.type),
+            "world_size": ctx.world_size,
+            "threads_per_rank": ctx.threads,
+            "device_type": ctx.device.type,
+        }
         cls = strategies.get(spec.strategy)
         reason = cls.skip_reason(spec, ctx)
         if reason:
             if ctx.is_main:
                 records.write_outcome(out, "skipped", reason, **spec.record_fields(), **common)
             return 0
+        check_fits(spec, world)
         _run(spec, ctx, out, common, t_start)
         runtime.finish(ctx)
         return 0
-    except Exception as e:
-        if ctx.is_main:
-            tb = traceback.format_exc(limit=-3)
+    except Exception as caught:
+        e = name_the_model(caught, spec)
+        tb = traceback.format_exc()
+        records.write_rank_error(out, rank, e, tb)
+        if rank == 0:
             records.write_outcome(
                 out,
                 "failed",
-                f"{type(e).__name__}: {e}",
+                records.describe_error({"type": type(e).__name__, "message": str(e)}, 1),
                 **spec.record_fields(),
                 traceback=tb,
-                rank=ctx.rank,
+                rank=rank,
                 **common,
             )
-        raise
+        if e is caught:
+            raise
+        raise e from caught
     finally:
-        runtime.stop(ctx)
+        if ctx is not None:
+            runtime.stop(ctx)
+
+
+class ModelMemoryError(MemoryError):
+    """The model does not fit; the message names it and its size."""
+
+
+def _bytes(n: float) -> str:
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def check_fits(spec: RunSpec, world: int) -> None:
+    """Refuse, before allocating, a model whose parameters alone cannot be held by this
+    host's processes (every rank builds the whole model on the host first). Linux
+    overcommits: without this check an absurd size is found by the OOM killer, whose
+    SIGKILL says nothing about the model, or not at all."""
+    if spec.model.arch == "custom":  # it was built once already, when the run was planned
+        return
+    with torch.device("meta"):
+        n_params = sum(p.numel() for p in build(spec.model, spec.seed).blocks.parameters())
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+    need = n_params * 4 * local  # fp32 parameters, one copy per process on this host
+    free = envinfo.available_memory()
+    if free is not None and need > free:
+        raise ModelMemoryError(
+            f"model '{spec.model_name}' has {n_params:,} parameters: {_bytes(need)} in fp32 "
+            f"across this host's {local} process(es) before any gradient or activation, and "
+            f"the host has {_bytes(free)} available; reduce models.{spec.model_name}'s sizes"
+        )
+
+
+def name_the_model(e: Exception, spec: RunSpec) -> Exception:
+    """An allocation failure, its message extended to name the model (the allocator's
+    own names only bytes); the exception type stays, other exceptions pass unchanged."""
+    oom = isinstance(e, torch.OutOfMemoryError | MemoryError) or "can't allocate memory" in str(e)
+    if not oom or isinstance(e, ModelMemoryError):
+        return e
+    where = (
+        f"model '{spec.model_name}', {spec.strategy} at {spec.devices} devices, "
+        f"batch {spec.batch_size}: reduce models.{spec.model_name}'s sizes or batch_size"
+    )
+    try:
+        return type(e)(f"{e} ({where})")
+    except TypeError:  # an exception type with another constructor
+        return ModelMemoryError(f"{type(e).__name__}: {e} ({where})")
 
 
 def batch_source(model: Model, spec: RunSpec, strategy: Strategy):

@@ -7,6 +7,7 @@ Torch-free and Snakemake-free: the Snakefile calls `cells()` to build its job gr
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -138,6 +139,9 @@ def problems(config: dict, workdir: Path | None = None) -> list[str]:
     all_at = {f"models.{s.model_name} / {s.strategy} at devices={s.devices}" for s in all_cells}
     for p, cells_at in where.items():
         out.append(p if len(cells_at) == len(all_at) else f"{p} ({'; '.join(cells_at)})")
+    for key in ("cell_timeout_s",):
+        if key in config and not math.isfinite(config[key]):
+            out.append(f"{key}: must be a finite number, got {config[key]}")
     if workdir is not None and "results" in config:
         res = (workdir / config["results"]).resolve()
         if not res.is_relative_to(workdir.resolve()):

@@ -30,7 +30,8 @@ from parabench import envinfo, records
 
 _ERROR_LINE = re.compile(r"(Error|Exception|error:|Killed|Traceback)")
 # torchrun's own epilogue repeats the failure; the rank's error line says more.
-_NOISE = re.compile(r"ChildFailedError|elastic|^\s*(raise|File |\^)")
+# A traceback's header line says only that one follows.
+_NOISE = re.compile(r"ChildFailedError|elastic|Traceback \(most recent|^\s*(raise|File |\^)")
 
 
 def last_error(lines: list[str]) -> str:
@@ -43,16 +44,25 @@ def last_error(lines: list[str]) -> str:
 _ROOT = re.compile(r"Root Cause.*?rank\s*:\s*(\d+).*?exitcode\s*:\s*(-?\d+)", re.S)
 
 
-def root_cause(lines: list[str]) -> str:
-    """torchrun's own verdict: which rank failed first, and how."""
+def root_cause(lines: list[str], errors: list[dict], world: int | None) -> str:
+    """The failure's root cause, in one line: the first failing rank's exception type
+    and message (from its error-rank<R>.json), or, for a rank that died without one,
+    how it died (torchrun's verdict: which rank failed first, exit code or signal)."""
     m = _ROOT.search("\n".join(lines))
-    if not m:
+    first = int(m.group(1)) if m else None
+    own = [e for e in errors if e.get("rank") == first]
+    if own or (errors and first is None):
+        return records.describe_error((own or errors)[0], world)
+    if first is None:
         return ""
-    rank, code = m.group(1), int(m.group(2))
+    code = int(m.group(2))
     how = f"killed by signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
-    cause = f"torchrun: rank {rank} failed first ({how})"
-    own = last_error([ln for ln in lines if ln.startswith(f"[rank{rank}]:")])
-    return f"{cause}: {own.removeprefix(f'[rank{rank}]:').strip()}" if own else cause
+    cause = f"torchrun: rank {first} failed first ({how}) without a Python exception"
+    if line := last_error([ln for ln in lines if ln.startswith(f"[rank{first}]:")]):
+        cause += f"; its last error line: {line.removeprefix(f'[rank{first}]:').strip()}"
+    if errors:  # what the others then saw: a symptom, kept as a clue
+        cause += f"; then {records.describe_error(errors[0], world)}"
+    return cause
 
 
 def _die_with_parent() -> None:
@@ -77,6 +87,8 @@ def guard(out: Path, cmd: list[str], timeout_s: float, fields: dict) -> int:
     carries (the cell's identity and settings: RunSpec.record_fields())."""
     meta = out / "meta.json"
     meta.unlink(missing_ok=True)  # a stale record must not pass for this launch's
+    records.clear_rank_errors(out)
+    world = None if any("torch.distributed.run" in a or "torchrun" in a for a in cmd) else 1
     tail: collections.deque[str] = collections.deque(maxlen=200)
     started = time.monotonic()
     proc = subprocess.Popen(
@@ -132,24 +144,29 @@ def guard(out: Path, cmd: list[str], timeout_s: float, fields: dict) -> int:
             file=sys.stderr,
         )
         return 128 + interrupted[0]
+    tail_lines = list(tail)
+    cause = root_cause(tail_lines, records.read_rank_errors(out), world)
     if timed_out:
         reason = f"timed out after {timeout_s:g} s (cell_timeout_s); killed"
+        if cause:
+            reason += f"; before that, {cause}"
     elif meta.exists():
         try:
             recorded = records.read_meta(meta)
         except records.ResultsError as e:
             reason = f"cell wrote an invalid record: {e}"
         else:
-            cause = root_cause(list(tail))
-            if recorded["status"] == "failed" and cause:  # rank 0 saw a symptom; add the cause
-                recorded["reason"] = f"{recorded['reason']} [{cause}]"
+            # Rank 0 wrote what it saw, often a peer's symptom ("connection closed"):
+            # the reason becomes the root cause, rank 0's view is kept beside it.
+            if recorded["status"] == "failed" and cause and cause != recorded["reason"]:
+                if not cause.startswith("rank 0:"):
+                    recorded["rank0_reason"] = recorded["reason"]
+                recorded["reason"] = cause
                 records.write_meta(meta, recorded)
             return 0
     else:
-        reason = f"launcher {_describe_exit(rc)} without a record"
-        if cause := root_cause(list(tail)):
-            reason += f"; {cause}"
-        if err := last_error(list(tail)):
+        reason = cause or f"launcher {_describe_exit(rc)} without a record"
+        if not cause and (err := last_error(tail_lines)):
             reason += f"; last error: {err}"
     records.write_outcome(
         out,

@@ -7,11 +7,13 @@ in docs/results.md.
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import io
 import json
 import os
 import tempfile
+import time
 from pathlib import Path
 
 SCHEMA_VERSION = 2
@@ -135,3 +137,45 @@ def check_step_header(path: Path, header: list[str]) -> None:
             f"{path}: step columns {header} do not match schema v{SCHEMA_VERSION} "
             f"{list(STEP_COLUMNS)}"
         )
+
+
+# Each rank that catches an exception leaves error-rank<R>.json beside the cell's
+# records, so the launcher can name the root cause (the first rank to fail, its
+# exception type and message) rather than a peer's symptom or a traceback's first line.
+ERROR_GLOB = "error-rank*.json"
+
+
+def write_rank_error(out: Path, rank: int, exc: BaseException, tb: str) -> None:
+    error = {
+        "rank": rank,
+        "type": type(exc).__name__,
+        "message": str(exc),
+        "traceback": tb,
+        "time": time.time(),
+    }
+    atomic_write_bytes(Path(out) / f"error-rank{rank}.json", json.dumps(error).encode())
+
+
+def read_rank_errors(out: Path) -> list[dict]:
+    """The ranks' errors, earliest first (unreadable files are skipped: a rank killed
+    mid-write leaves only a temporary file, which the glob does not match)."""
+    found = []
+    for p in Path(out).glob(ERROR_GLOB):
+        with contextlib.suppress(OSError, json.JSONDecodeError):
+            found.append(json.loads(p.read_text()))
+    return sorted(found, key=lambda e: e.get("time", 0))
+
+
+def clear_rank_errors(out: Path) -> None:
+    for p in Path(out).glob(ERROR_GLOB):
+        p.unlink(missing_ok=True)
+
+
+def describe_error(error: dict, world: int | None = None) -> str:
+    """'rank 1: RuntimeError: message' (no rank prefix for a one-process cell), on
+    one line, at most 500 characters."""
+    message = " ".join(str(error.get("message", "")).split())
+    text = f"{error.get('type', 'Error')}: {message}" if message else error.get("type", "")
+    if world != 1:
+        text = f"rank {error.get('rank')}: {text}"
+    return text[:500]

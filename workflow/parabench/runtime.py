@@ -7,6 +7,7 @@ nanoGPT; nothing is passed by hand.
 from __future__ import annotations
 
 import os
+import socket
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -59,7 +60,16 @@ def start(spec: RunSpec) -> Context:
 
     device_type = resolve_device_type(spec.device)
     if device_type == "cuda" and not torch.cuda.is_available():
-        raise LaunchError("device: 'cuda' requested but torch sees no CUDA device")
+        build = (
+            f"torch {torch.__version__} is a CPU-only build"
+            if torch.version.cuda is None
+            else f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}"
+        )
+        raise LaunchError(
+            "device: 'cuda' requested but torch sees no CUDA device on "
+            f"{socket.gethostname()} ({build}): run on a GPU node (did the job ask for "
+            "GPUs?), or set device: cpu or auto"
+        )
     if device_type == "cuda" and local_rank < torch.cuda.device_count():
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from dataclasses import asdict, dataclass, field, fields
 
 from parabench.catalog import (
@@ -20,6 +21,9 @@ from parabench.catalog import (
     STRATEGIES,
     record,
 )
+
+# On device cpu each "device" is a process on one machine: past this, a typo, not a plan.
+MAX_CPU_DEVICES = 64
 
 # Defaults mirror the seeds: demo.py's MLP and the DDP tutorial's SeqNet; gpt's are
 # GPT-2 small's shape. A custom model names its factory and the factory's arguments.
@@ -208,8 +212,18 @@ class RunSpec:
                 f"warmup: must be >= 0 and < steps ({self.steps}) so some steps are timed, "
                 f"got {self.warmup}"
             )
+        # YAML holds .nan and .inf, which pass every bound of a JSON schema.
+        for key in ("lr", "timeout_s", "peak_flops"):
+            value = getattr(self, key)
+            if value is not None and not math.isfinite(value):
+                out.append(f"{key}: must be a finite number, got {value}")
         if self.timeout_s <= 0:
             out.append(f"timeout_s: must be > 0, got {self.timeout_s}")
+        if self.device == "cpu" and self.devices > MAX_CPU_DEVICES:
+            out.append(
+                f"devices: {self.devices} on device cpu means {self.devices} processes on one "
+                f"machine; at most {MAX_CPU_DEVICES}"
+            )
         if self.scaling not in ("strong", "weak"):
             out.append(f"scaling: must be 'strong' or 'weak', got {self.scaling!r}")
         if self.schedule not in SCHEDULES:

@@ -10,6 +10,8 @@ on a cluster (scheduling, job groups, Slurm).
 
 from __future__ import annotations
 
+import copy
+import functools
 import subprocess
 import sys
 from pathlib import Path
@@ -39,22 +41,30 @@ def with_defaults(schema: dict, data: dict) -> dict:
     return out
 
 
+@functools.cache
+def _schema() -> dict:
+    return yaml.safe_load(SCHEMA.read_text())
+
+
 def load_config(path: Path) -> dict:
-    """The config file, checked against the schema (where jsonschema is installed: it
-    comes with Snakemake) and given the schema's defaults."""
-    schema = yaml.safe_load(SCHEMA.read_text())
-    data = yaml.safe_load(Path(path).read_text()) or {}
+    """The config file, checked against the schema and given the schema's defaults."""
+    return checked(yaml.safe_load(Path(path).read_text()) or {})
+
+
+def checked(data: dict) -> dict:
+    """`data` checked against the schema (where jsonschema is installed: it comes with
+    Snakemake), with the schema's defaults filled in; ConfigError names the key."""
+    schema = _schema()
     try:
         import jsonschema
     except ImportError:  # e.g. a GPU image without Snakemake; problems() still runs
         pass
     else:
-        try:
-            jsonschema.validate(data, schema)
-        except jsonschema.ValidationError as e:
-            where = ".".join(map(str, e.absolute_path)) or "(top level)"
-            raise ConfigError(f"{where}: {e.message}") from None
-    return with_defaults(schema, data)
+        validator = jsonschema.validators.validator_for(schema)(schema)
+        if error := jsonschema.exceptions.best_match(validator.iter_errors(data)):
+            where = ".".join(map(str, error.absolute_path)) or "(top level)"
+            raise ConfigError(f"{where}: {error.message}")
+    return with_defaults(schema, copy.deepcopy(data))
 
 
 def visible_gpus() -> list[int]:

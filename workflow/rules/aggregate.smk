@@ -13,7 +13,7 @@ rule aggregate:
     conda:
         "../envs/parabench.yaml"
     log:
-        "logs/aggregate.log",
+        f"{RESULTS}/logs/aggregate.log",
     shell:
         "parabench aggregate --meta {input.meta:q} --steps-out {output.steps:q} "
         "--cells-out {output.cells:q} --summary-out {output.summary:q} > {log:q} 2>&1"

@@ -10,9 +10,9 @@ rule benchmark:
     conda:
         "../envs/parabench.yaml"
     log:
-        f"logs/{CELL_DIR}.log",
+        f"{RESULTS}/logs/{CELL_DIR}.log",
     benchmark:
-        f"logs/{CELL_DIR}.bench.tsv"
+        f"{RESULTS}/logs/{CELL_DIR}.bench.tsv"
     wildcard_constraints:
         **WILDCARDS,
     threads: lambda wc: max(1, int(wc.devices))
@@ -41,9 +41,9 @@ rule benchmark_multinode:
     conda:
         "../envs/parabench.yaml"
     log:
-        f"logs/{CELL_DIR}.log",
+        f"{RESULTS}/logs/{CELL_DIR}.log",
     benchmark:
-        f"logs/{CELL_DIR}.bench.tsv"
+        f"{RESULTS}/logs/{CELL_DIR}.bench.tsv"
     wildcard_constraints:
         **{**WILDCARDS, "strategy": MULTINODE_STRATEGIES_RE, "devices": MULTINODE_DEVICES_RE},
     threads: lambda wc: min(int(wc.devices), config["gpus_per_node"])

@@ -13,7 +13,7 @@ rule report:
     conda:
         "../envs/parabench.yaml"
     log:
-        "logs/report.log",
+        f"{RESULTS}/logs/report.log",
     params:
         config=json.dumps(config, sort_keys=True),
         results=lambda wc, input: Path(input.summary).parent,

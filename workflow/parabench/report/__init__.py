@@ -1,0 +1,100 @@
+"""Render results/report.html: one self-contained file (CSS inline, plots as data URIs,
+no network), from summary.csv, cells.csv and steps.csv only.
+
+Templates, CSS and the per-strategy narratives live under report/ at the repository's
+top (jinja2, autoescape on: every string from results or config is escaped). The code
+has one home per concern: loading (the tables), figures (the plots), prose (the
+sentences); this module puts them into the template. Figures are named after the
+summary columns they come from, so each number traces to a CSV row.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jinja2
+import numpy as np
+import yaml
+
+from parabench import equivalence
+from parabench.catalog import CATALOG, LABELS, STRATEGIES
+from parabench.report.figures import plots
+from parabench.report.loading import Results, row_anchor, rows
+from parabench.report.prose import environment, headlines, outcome
+
+__all__ = ["LABELS", "Results", "build_context", "load_config", "render"]
+
+
+def build_context(r: Results, config: dict) -> dict:
+    s = r.summary
+    device_types = set(r.cells["device_type"].dropna().astype(str)) - {""}
+    per_strategy = {}
+    for strat in STRATEGIES:
+        of_strategy = s[s["strategy"] == strat]
+        if not of_strategy.empty:
+            per_strategy[strat] = rows(of_strategy)
+    diffs = s[s["rel_param_diff"].notna()]
+    return {
+        "outcome": outcome(s, r.cells),
+        "headlines": headlines(s),
+        "cpu_run": "cuda" not in device_types and config.get("device") != "cuda",
+        "scaling": ", ".join(sorted(set(s["scaling"]))),
+        "summary": rows(s),
+        "per_strategy": per_strategy,
+        "labels": LABELS,
+        "strategies": [x for x in STRATEGIES if x in per_strategy],
+        "equivalence": rows(diffs),
+        "tolerance_factor": equivalence.TOLERANCE_FACTOR,
+        "tolerance_floor": equivalence.FLOOR,
+        "narratives": {name: CATALOG[name].narrative for name in per_strategy},
+        "microbatches": config.get("pipeline", {}).get("microbatches"),
+        "problems": rows(r.cells[r.cells["status"] != "ok"]),
+        "environment": environment(r.cells),
+        "config_yaml": yaml.safe_dump(config, sort_keys=False),
+        "launches": rows(
+            r.cells[["panel", "strategy", "devices", "repeat", "status", "launch_command"]]
+        ),
+        "n_cells": len(r.cells),
+        "n_ok": int((r.cells["status"] == "ok").sum()),
+        "timed_steps": int((r.steps["phase"] == "timed").sum()) if len(r.steps) else 0,
+        "plots": plots(r),
+    }
+
+
+def _filters(env: jinja2.Environment) -> None:
+    def num(v, fmt="{:.3g}", missing="—"):
+        try:
+            if v is None or (isinstance(v, float) and np.isnan(v)):
+                return missing
+        except TypeError:
+            return missing
+        return fmt.format(v)
+
+    env.filters["num"] = num
+    env.filters["x"] = lambda v: num(v, "{:.2f}×")
+    env.filters["pct"] = lambda v: num(v, "{:.0%}")
+    env.filters["ms"] = lambda v: num(v * 1e3 if isinstance(v, int | float) else v, "{:.2f} ms")
+    env.filters["mib"] = lambda v: num(v / 2**20 if isinstance(v, int | float) else v, "{:.0f} MiB")
+    env.filters["sci"] = lambda v: num(v, "{:.1e}")
+    env.filters["anchor"] = row_anchor
+
+
+def render(results: Path, templates: Path, config: dict, out: Path) -> None:
+    from parabench.records import atomic_write_bytes
+
+    env = jinja2.Environment(
+        loader=jinja2.FileSystemLoader(templates),
+        autoescape=True,  # every string from results or config is escaped
+        undefined=jinja2.StrictUndefined,
+        trim_blocks=True,
+        lstrip_blocks=True,
+    )
+    _filters(env)
+    ctx = build_context(Results.load(results), config)
+    html = env.get_template("report.html.j2").render(**ctx)
+    atomic_write_bytes(out, html.encode())
+
+
+def load_config(text: str) -> dict:
+    return json.loads(text) if text else {}

@@ -1,0 +1,158 @@
+"""The report's plots, from the summary and the cells, as inline PNG data URIs."""
+
+from __future__ import annotations
+
+import base64
+import io
+
+import matplotlib
+
+matplotlib.use("Agg")  # no display; set before pyplot is imported
+
+import matplotlib.pyplot as plt
+import pandas as pd
+import seaborn as sns
+
+from parabench.catalog import STRATEGIES
+from parabench.report.loading import Results
+
+
+def _png(fig) -> str:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110, bbox_inches="tight", metadata={"Software": None})
+    plt.close(fig)
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def _order(df: pd.DataFrame) -> list[str]:
+    return [s for s in STRATEGIES if s in set(df["strategy"])]
+
+
+def repeat_speedups(cells: pd.DataFrame, summary: pd.DataFrame) -> pd.DataFrame:
+    """Speedup of each repeat (one point per launch), against single's median."""
+    ok = cells[cells["status"] == "ok"].copy()
+    ok["throughput"] = ok["global_batch"] / ok["step_time_median_s"]
+    base = summary[(summary["strategy"] == "single") & (summary["devices"] == 1)]
+    base_thr = base.set_index("panel")["throughput"]
+    ok["speedup"] = ok["throughput"] / ok["panel"].map(base_thr)
+    ok["efficiency"] = ok["speedup"] / ok["devices"]
+    return ok
+
+
+def plots(r: Results) -> dict[str, str]:
+    sns.set_theme(style="whitegrid", context="notebook")
+    ok = r.summary[r.summary["status"] == "ok"]
+    if ok.empty:
+        return {}
+    reps = repeat_speedups(r.cells, r.summary)
+    order = _order(ok)
+    palette = dict(zip(STRATEGIES, sns.color_palette("colorblind", len(STRATEGIES)), strict=True))
+    panels = list(dict.fromkeys(ok["panel"]))
+    devices = sorted(ok["devices"].unique())
+    out: dict[str, str] = {}
+
+    def per_model(title: str, y: str, ylabel: str, ideal=None, logy=False) -> str:
+        fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 3.8), squeeze=False)
+        for ax, panel in zip(axes[0], panels, strict=True):
+            sub = ok[ok["panel"] == panel]
+            if ideal is not None:
+                ax.plot(devices, [ideal(n) for n in devices], "k--", lw=1, label="ideal")
+            sns.lineplot(
+                data=sub,
+                x="devices",
+                y=y,
+                hue="strategy",
+                hue_order=order,
+                palette=palette,
+                marker="o",
+                ax=ax,
+                legend=ax is axes[0][0],
+            )
+            if y in reps:
+                sns.stripplot(
+                    data=reps[reps["panel"] == panel],
+                    x="devices",
+                    y=y,
+                    hue="strategy",
+                    hue_order=order,
+                    palette=palette,
+                    ax=ax,
+                    native_scale=True,
+                    legend=False,
+                    alpha=0.6,
+                    size=4,
+                    jitter=0.08,
+                )
+            ax.set(title=f"{title} — {panel}", xlabel="devices", ylabel=ylabel, xticks=devices)
+            if logy:
+                ax.set_yscale("log")
+        if axes[0][0].get_legend():
+            sns.move_legend(
+                axes[0][0],
+                "upper left",
+                bbox_to_anchor=(0, -0.18),
+                ncol=4,
+                frameon=False,
+                title=None,
+            )
+        return _png(fig)
+
+    out["speedup"] = per_model("Speedup vs one device", "speedup", "speedup (×)", ideal=float)
+    out["efficiency"] = per_model(
+        "Scaling efficiency", "efficiency", "speedup / devices", ideal=lambda n: 1.0
+    )
+    out["throughput"] = per_model("Throughput", "throughput", "samples / s")
+
+    timed = r.steps[r.steps["phase"] == "timed"].copy()
+    if not timed.empty:
+        timed["cell"] = timed["strategy"] + " ×" + timed["devices"].astype(str)
+        cell_order = [
+            f"{s} ×{n}" for s in order for n in devices if f"{s} ×{n}" in set(timed["cell"])
+        ]
+        g = sns.catplot(
+            data=timed,
+            kind="box",
+            x="step_time_s",
+            y="cell",
+            col="panel",
+            order=cell_order,
+            hue="strategy",
+            hue_order=order,
+            palette=palette,
+            height=0.32 * len(cell_order) + 1.5,
+            aspect=1.6,
+            legend=False,
+            sharex=False,
+            fliersize=2,
+        )
+        g.set_axis_labels("step time (s), every timed step of every repeat", "")
+        g.set_titles("Step-time distribution — {col_name}")
+        out["step_times"] = _png(g.figure)
+
+    bars = ok.assign(
+        cell=ok["strategy"] + " ×" + ok["devices"].astype(str),
+        peak_memory_mib=ok["peak_memory_bytes"] / 2**20,
+        mfu_pct=100 * ok["mfu"],
+    )
+    for key, col, label in (
+        ("memory", "peak_memory_mib", "peak memory per device (MiB)"),
+        ("mfu", "mfu_pct", "MFU (% of measured peak)"),
+    ):
+        g = sns.catplot(
+            data=bars,
+            kind="bar",
+            x=col,
+            y="cell",
+            col="panel",
+            hue="strategy",
+            hue_order=order,
+            palette=palette,
+            legend=False,
+            sharex=False,
+            height=0.32 * bars["cell"].nunique() + 1.5,
+            aspect=1.6,
+        )
+        g.set_axis_labels(label, "")
+        g.set_titles("{col_name}")
+        out[key] = _png(g.figure)
+    return out

@@ -1,0 +1,51 @@
+"""The three tables the report reads (summary.csv, cells.csv, steps.csv), loaded once,
+each row labelled with its panel: a model and the variant it ran in."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import pandas as pd
+
+from parabench.records import VARIANT_KEYS
+
+
+@dataclass
+class Results:
+    summary: pd.DataFrame
+    cells: pd.DataFrame
+    steps: pd.DataFrame
+
+    @classmethod
+    def load(cls, results: Path) -> Results:
+        tables = [pd.read_csv(results / f"{n}.csv") for n in ("summary", "cells", "steps")]
+        for t in tables:  # one label per (model, variant): the plots' panels, the headlines'
+            t["panel"] = panel_labels(t)
+        return cls(*tables)
+
+
+def panel_labels(df: pd.DataFrame) -> pd.Series:
+    """'mlp · bf16 · adamw · compiled': a model and the variant it ran in."""
+    if df.empty:
+        return pd.Series(dtype=str)
+    compiled = df["compile"].astype(str).str.lower() == "true"
+    return (
+        df["model"].astype(str)
+        + " · "
+        + df["precision"].astype(str)
+        + " · "
+        + df["optimizer"].astype(str)
+        + compiled.map({True: " · compiled", False: ""})
+    )
+
+
+def rows(df: pd.DataFrame) -> list[dict]:
+    """Table rows for the templates, missing values as None (not NaN, which is truthy)."""
+    return df.astype(object).where(df.notna(), None).to_dict("records")
+
+
+def row_anchor(row) -> str:
+    """The HTML id of a summary row: every key, so each row has its own."""
+    keys = [*VARIANT_KEYS, "strategy", "devices"]
+    return "row-" + "-".join(str(row[k]) for k in keys)

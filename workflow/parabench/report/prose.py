@@ -1,0 +1,169 @@
+"""The report's sentences, built from summary.csv and cells.csv: what happened, which
+strategy was fastest and why. Each sentence links the row it comes from."""
+
+from __future__ import annotations
+
+import re
+
+import pandas as pd
+
+from parabench.catalog import LABELS
+from parabench.report.loading import row_anchor
+
+
+def _fmt_x(v: float) -> str:
+    return f"{v:.2f}×"
+
+
+def headlines(summary: pd.DataFrame) -> list[dict]:
+    """Per model, variant and device count: which strategy was fastest and by how much,
+    as sentences built from summary.csv (each links the row it comes from). Emulated
+    cells (stages stand-ins on one CPU) are not ranked: their speedup is not a real one."""
+    out = []
+    ok = summary[(summary["status"] == "ok") & summary["speedup"].notna()]
+    for panel in dict.fromkeys(summary["panel"]):
+        for n in sorted(ok.loc[ok["panel"] == panel, "devices"].unique()):
+            if n == 1:
+                continue
+            at_n = ok[(ok["panel"] == panel) & (ok["devices"] == n)]
+            ranked = at_n[~at_n["emulated"].astype(bool)].sort_values("speedup", ascending=False)
+            emulated = [LABELS[s] for s in at_n.loc[at_n["emulated"].astype(bool), "strategy"]]
+            if ranked.empty:
+                continue
+            best = ranked.iloc[0]
+            name = LABELS.get(best["strategy"], best["strategy"])
+            if best["speedup"] >= 1:
+                lead = f"{_fmt_x(best['speedup'])} the throughput of one device"
+            else:
+                lead = (
+                    f"only {_fmt_x(best['speedup'])} the throughput of one device, "
+                    "slower than not parallelising at all"
+                )
+            text = (
+                f"At {n} devices, the fastest was {name}: {lead} "
+                f"({best['efficiency']:.0%} scaling efficiency)"
+            )
+            others = [
+                f"{LABELS.get(r['strategy'], r['strategy'])} {_fmt_x(r['speedup'])}"
+                for _, r in ranked.iloc[1:].iterrows()
+            ]
+            if others:
+                text += "; then " + ", ".join(others)
+            text += "."
+            if emulated:
+                text += f" Not ranked: {', '.join(emulated)} (stages emulated on one device)."
+            out.append(
+                {
+                    "panel": panel,
+                    "anchor": row_anchor(best),
+                    "devices": int(n),
+                    "text": text,
+                    "strategy": best["strategy"],
+                    "speedup": float(best["speedup"]),
+                    "efficiency": float(best["efficiency"]),
+                }
+            )
+    return out
+
+
+def environment(cells: pd.DataFrame) -> list[tuple[str, str]]:
+    """Distinct values of each environment column over all cells."""
+    cols = [
+        ("host", "host"),
+        ("device_type", "device type"),
+        ("device_names", "devices"),
+        ("cpu_model", "CPU"),
+        ("torch", "torch"),
+        ("cuda", "CUDA"),
+        ("nccl", "NCCL"),
+        ("python", "Python"),
+        ("git_commit", "git commit"),
+        ("config_hash", "config hash"),
+        ("slurm_job_id", "Slurm job ids"),
+        ("gpus_given", "GPUs Slurm gave (SLURM_GPUS_ON_NODE)"),
+        ("cuda_visible_devices", "CUDA_VISIBLE_DEVICES"),
+    ]
+    out = []
+    for col, label in cols:
+        if col not in cells:
+            continue
+        vals = [str(v) for v in cells[col].dropna().unique() if str(v) not in ("", "nan")]
+        out.append((label, ", ".join(sorted(vals)) or "—"))
+    return out
+
+
+def _cause(reason: str) -> str:
+    """A reason without the rank that raised it, so the same cause on every rank and
+    every cell counts once."""
+    return re.sub(r"^rank \d+: ", "", str(reason)).strip()
+
+
+def _causes(rows: pd.DataFrame, limit: int = 2) -> str:
+    """The commonest causes among `rows`, with how many cells each explains."""
+    counts = rows["reason"].fillna("").map(_cause).value_counts()
+    if len(counts) == 1:
+        return counts.index[0] or "no reason recorded"
+    parts = [f"{why or 'no reason recorded'} ({k} of {len(rows)})" for why, k in counts.items()]
+    more = f"; {len(parts) - limit} other causes in the table below" if len(parts) > limit else ""
+    return "; ".join(parts[:limit]) + more
+
+
+def _count(n: int, what: str) -> str:
+    return f"{n} {what}" + ("" if n == 1 else "s")
+
+
+def outcome(summary: pd.DataFrame, cells: pd.DataFrame) -> dict:
+    """What happened in this sweep, in words, before any figure: every cell failed or
+    was skipped (and why), a model or variant that did not run at all, one that ran
+    only at one device, one without `single` (so without speedups). `level` is 'bad'
+    when nothing ran, 'warn' when something is missing, '' when all ran."""
+    failed = cells[cells["status"] == "failed"]
+    skipped = cells[cells["status"] == "skipped"]
+    n_ok = len(cells) - len(failed) - len(skipped)
+    if n_ok == 0:
+        if len(failed) and len(skipped):
+            lines = [
+                f"No cell ran: {_count(len(failed), 'cell')} failed and {len(skipped)} "
+                f"{'was' if len(skipped) == 1 else 'were'} skipped.",
+                f"Failed: {_causes(failed)}.",
+                f"Skipped: {_causes(skipped)}.",
+            ]
+        elif len(failed):
+            lines = [f"Every cell failed ({len(failed)} of {len(cells)}): {_causes(failed)}."]
+        else:
+            lines = [f"Every cell was skipped ({len(skipped)}): {_causes(skipped)}."]
+        return {"level": "bad", "lines": lines}
+
+    lines = []
+    for panel in dict.fromkeys(summary["panel"]):
+        rows = summary[summary["panel"] == panel]
+        ok = rows[rows["status"] == "ok"]
+        if ok.empty:
+            lines.append(f"{panel}: no cell ran. {_causes(rows)}.")
+            continue
+        single = rows[(rows["strategy"] == "single") & (rows["devices"] == 1)]
+        if single.empty:
+            lines.append(
+                f"{panel}: no single-device cell in this sweep, so there is no speedup "
+                "(it is measured against single at one device); step times and "
+                "throughput are shown."
+            )
+        elif single.iloc[0]["status"] != "ok":
+            lines.append(
+                f"{panel}: single at one device {single.iloc[0]['status']} "
+                f"({_cause(single.iloc[0]['reason'])}), so speedups are left empty; step "
+                "times and throughput are shown."
+            )
+        multi = rows[rows["devices"] > 1]
+        if len(multi) and (multi["status"] != "ok").all():
+            lines.append(
+                f"{panel}: only one-device cells ran; every multi-device cell failed or "
+                f"was skipped: {_causes(multi)}."
+            )
+    if len(failed) or len(skipped):
+        lines.append(
+            f"{n_ok} of {len(cells)} cells ran; {len(failed)} failed and {len(skipped)} "
+            f"{'was' if len(skipped) == 1 else 'were'} skipped (see the table of skipped and "
+            "failed cells for each reason)."
+        )
+    return {"level": "warn" if lines else "", "lines": lines}
