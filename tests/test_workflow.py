@@ -69,6 +69,47 @@ def test_strategies_match_single_in_the_pipeline_too(run):
     ]
 
 
+ANATOMY = [
+    "compute_s",
+    "comm_s",
+    "comm_exposed_s",
+    "bubble_s",
+    "data_s",
+    "other_s",
+    "predicted_step_s",
+    "comm_bytes_per_step",
+    "collectives_per_step",
+]
+
+
+def test_every_ok_cell_has_its_anatomy_and_a_prediction(run):
+    summary = pd.read_csv(run / "results/summary.csv")
+    ok = summary[summary["status"] == "ok"]
+    assert ok[ANATOMY].notna().all().all(), ok[ANATOMY]
+    by = ok.set_index(["strategy", "devices"])
+    assert by.loc[("single", 1), "comm_s"] == 0
+    # no_sync: one all-reduce of the gradients per optimizer step, as DDP
+    assert (
+        by.loc[("grad_accum", 2), "comm_bytes_per_step"]
+        == by.loc[("ddp", 2), "comm_bytes_per_step"]
+    )
+
+
+def test_collective_curves_span_4kib_to_64mib_at_every_multi_rank_count(run):
+    curves = pd.read_csv(run / "results/collectives.csv")
+    ar = curves[(curves["op"] == "all_reduce") & (curves["devices"] == 2)]
+    assert ar["bytes"].min() <= 4096 and ar["bytes"].max() >= 64 * 2**20
+    assert (ar["busbw_GBps"] > 0).all()
+    assert set(curves["devices"]) == {2}
+    assert set(curves["op"]) == {
+        "all_reduce",
+        "all_gather",
+        "reduce_scatter",
+        "broadcast",
+        "send_recv",
+    }
+
+
 def test_report_and_logs_exist_per_cell(run):
     assert (run / "results/report.html").stat().st_size > 10_000
     assert len(list((run / "results/logs/runs").rglob("*.log"))) == 11

@@ -20,15 +20,16 @@ from __future__ import annotations
 
 import csv
 import functools
+import json
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 import torch
 
-from parabench import equivalence, records
+from parabench import collectives, equivalence, records, scaling
 from parabench.catalog import record
-from parabench.flops import step_flops
+from parabench.flops import activation_bytes_per_sample, step_flops
 from parabench.models import build, maths_notes
 from parabench.records import CELL_KEYS, SUMMARY_KEYS, VARIANT_KEYS
 from parabench.spec import ModelSpec, RunSpec
@@ -68,10 +69,35 @@ SUMMARY_COLUMNS: dict[str, str] = {
     "equivalent": "True: same maths as single; False: differs; empty: not comparable",
     "likely_cause": "where a cell differs: the model's layers that change under this split",
     "emulated": "true when devices were stand-ins (stages all on one CPU)",
+    "compute_s": "critical rank, per profiled step: forward, backward, optimizer",
+    "comm_s": "all communication's own time (collectives, send/recv), hidden or not",
+    "comm_exposed_s": "communication compute did not hide: on the critical path",
+    "bubble_s": "a pipeline stage idle, waiting to receive from a neighbour",
+    "data_s": "batch fetch (DataLoader mode) and host-to-device copies",
+    "other_s": "the rest of the profiled step: Python, launch overhead",
+    "profiled_step_s": "the critical rank's profiled step (the parts' sum)",
+    "anatomy_closure": "profiled_step_s / step_time_s: 1 when profiling did not distort",
+    "comm_bytes_per_step": "bytes handed to collectives and send/recv per step, busiest rank",
+    "collectives_per_step": "collectives and send/recv issued per step, busiest rank",
+    "comm_by_op": "per op: collectives and bytes per step (JSON), busiest rank",
+    "predicted_compute_s": "scaling model: single's compute x work share / rank speed",
+    "predicted_bubble_s": "scaling model: (n-1)/m of a stage's compute (pipelines)",
+    "predicted_comm_s": "scaling model: each collective issued, timed on the curves",
+    "predicted_overhead_s": "scaling model: single's data + other time",
+    "predicted_step_s": "scaling model: the sum of the four terms above",
+    "prediction_error": "predicted_step_s / step_time_s - 1",
+    "prediction_flag": "True when the prediction is off by more than 25%",
+    "prediction_miss": "where flagged: the term the model misses most, and why",
+    "model_params_bytes": "analytic parameter bytes per rank",
+    "model_grads_bytes": "analytic gradient bytes per rank",
+    "model_optimizer_bytes": "analytic optimizer-state bytes per rank",
+    "model_activations_bytes": "analytic activation bytes per rank (layer outputs)",
+    "ideal_speedup": "what this hardware could give: n on GPUs; on CPU bounded by cores",
 }
 
 # Filled from the ok cells only; NaN where none ran.
 _OK_COLUMNS = (
+    "anatomy_closure",
     "tokens_per_sample",
     "step_time_median_s",
     "step_time_p90_s",
@@ -102,6 +128,30 @@ def _env_columns(meta: dict) -> dict:
     }
 
 
+ANATOMY = ("compute_s", "comm_s", "comm_exposed_s", "bubble_s", "data_s", "other_s")
+
+
+def _anatomy_columns(meta: dict) -> dict:
+    """The critical rank's anatomy (the rank with the longest profiled step) and the
+    busiest rank's communication volume."""
+    per_rank = [a for a in meta.get("anatomy_per_rank") or [] if a]
+    out: dict = {k: np.nan for k in (*ANATOMY, "profiled_step_s")}
+    if per_rank:
+        crit = max(per_rank, key=lambda a: a["step_s"])
+        out.update({k: crit[k] for k in ANATOMY}, profiled_step_s=crit["step_s"])
+    comm = meta.get("comm_per_rank") or []
+    loads = [
+        (sum(v["bytes"] for v in c.values()), sum(v["count"] for v in c.values()), c) for c in comm
+    ]
+    busiest = max(loads, key=lambda x: x[0], default=(np.nan, np.nan, {}))
+    out.update(
+        comm_bytes_per_step=busiest[0] if per_rank else np.nan,
+        collectives_per_step=busiest[1] if per_rank else np.nan,
+        comm_by_op=json.dumps(busiest[2], sort_keys=True) if per_rank else "",
+    )
+    return out
+
+
 def _held(meta: dict, kind: str) -> float:
     """Bytes of `kind` held by the fullest rank (NaN when not recorded)."""
     per_rank = meta.get("held_bytes_per_rank") or []
@@ -130,6 +180,12 @@ def _cell_row(meta_path: Path, meta: dict) -> tuple[dict, pd.DataFrame | None]:
             "grads_bytes": _held(meta, "grads"),
             "optimizer_bytes": _held(meta, "optimizer"),
             "param_travel": meta.get("param_travel", np.nan),
+            "processes": meta.get("world_size") or 1,
+            "threads_per_rank": meta.get("threads_per_rank", np.nan),
+            "usable_cores": meta.get("env", {}).get("usable_cores", np.nan),
+            "microbatches": spec.microbatches,
+            "accum_steps": spec.accum_steps,
+            **_anatomy_columns(meta),
             "reorder_rel_diff": meta.get("reorder_rel_diff", np.nan),
             **_env_columns(meta),
             "config_hash": meta.get("config_hash", ""),
@@ -159,6 +215,7 @@ def _cell_row(meta_path: Path, meta: dict) -> tuple[dict, pd.DataFrame | None]:
         timed_steps=len(timed),
         final_loss=steps["loss"].iloc[-1],
     )
+    row["anatomy_closure"] = row["profiled_step_s"] / row["step_time_median_s"]
     return row, steps
 
 
@@ -173,10 +230,16 @@ def _model_facts(spec: ModelSpec, batch: int) -> dict:
         flops = step_flops(model, batch)
     except Exception:  # a custom model that cannot run on meta tensors: no FLOPs, no MFU
         flops = np.nan
+    try:
+        activations = activation_bytes_per_sample(model)
+    except Exception:  # as for FLOPs: a model that cannot run on meta tensors
+        activations = np.nan
     return {
         "flops": flops,
         "tokens_per_sample": model.tokens_per_sample or np.nan,
         "notes": maths_notes(model),
+        "params": sum(p.numel() for p in model.blocks.parameters()),
+        "activations_per_sample": activations,
     }
 
 
@@ -259,11 +322,26 @@ def _one(g: pd.DataFrame) -> pd.Series:
             ),
             "tokens_per_sample": ok["tokens_per_sample"].median(),
             "emulated": bool(ok["emulated"].any()),
+            **{k: ok[k].median() for k in (*ANATOMY, "profiled_step_s", "anatomy_closure")},
+            "comm_bytes_per_step": ok["comm_bytes_per_step"].median(),
+            "collectives_per_step": ok["collectives_per_step"].median(),
+            "comm_by_op": ok["comm_by_op"].iloc[0] if len(ok) else "",
+            "device_type": g["device_type"].iloc[0],
+            "processes": g["processes"].iloc[0],
+            "threads_per_rank": ok["threads_per_rank"].median(),
+            "usable_cores": ok["usable_cores"].median(),
+            "microbatches": g["microbatches"].iloc[0],
+            "accum_steps": g["accum_steps"].iloc[0],
+            "model_spec": g["model_spec"].iloc[0],
         }
     )
 
 
-def summarize(cells: pd.DataFrame, steps: pd.DataFrame) -> pd.DataFrame:
+def summarize(
+    cells: pd.DataFrame, steps: pd.DataFrame, curves: pd.DataFrame | None = None
+) -> pd.DataFrame:
+    if curves is None:
+        curves = pd.DataFrame(columns=list(collectives.COLUMNS))
     keys = list(SUMMARY_KEYS)
     timed = steps[steps["phase"] == "timed"]
     pooled = timed.groupby(keys)["step_time_s"].agg(
@@ -281,7 +359,32 @@ def summarize(cells: pd.DataFrame, steps: pd.DataFrame) -> pd.DataFrame:
     summary["efficiency"] = summary["speedup"] / summary["devices"]
     summary["achieved_flops"] = summary["flops_per_step"] / summary["step_time_s"]
     summary["mfu"] = summary["achieved_flops"] / summary["peak_flops_total"]
+    summary = summary.join(scaling.predict(summary, curves, list(VARIANT_KEYS)))
+    memory = [
+        scaling.memory_model(
+            r,
+            _model_facts(r["model_spec"], r["global_batch"])["params"],
+            _model_facts(r["model_spec"], r["global_batch"])["activations_per_sample"],
+        )
+        for _, r in summary.iterrows()
+    ]
+    summary = summary.join(pd.DataFrame(memory, index=summary.index))
+    summary["ideal_speedup"] = [ideal_speedup(r, summary) for _, r in summary.iterrows()]
     return summary[list(SUMMARY_COLUMNS)]
+
+
+def ideal_speedup(row: pd.Series, summary: pd.DataFrame) -> float:
+    """What this hardware could give at n devices: n GPUs give n; on CPU, n processes
+    share the cores single already used, so at most cores / single's threads."""
+    n = row["devices"]
+    if row["device_type"] != "cpu":
+        return float(n)
+    cores = summary["usable_cores"].max()
+    singles = summary.loc[summary["strategy"] == "single", "threads_per_rank"].dropna()
+    threads = singles.max() if len(singles) else 1
+    if not cores or np.isnan(cores) or not threads:
+        return float(n)
+    return float(min(n, max(1.0, cores / threads)))
 
 
 def load_cells(meta_paths: list[Path]) -> tuple[pd.DataFrame, pd.DataFrame]:
@@ -303,9 +406,23 @@ def load_cells(meta_paths: list[Path]) -> tuple[pd.DataFrame, pd.DataFrame]:
     return cells.join(_param_diffs(cells)), steps
 
 
-def aggregate(meta_paths: list[Path], steps_out: Path, summary_out: Path, cells_out: Path) -> None:
+def aggregate(
+    meta_paths: list[Path],
+    steps_out: Path,
+    summary_out: Path,
+    cells_out: Path,
+    collective_metas: list[Path] = (),
+    collectives_out: Path | None = None,
+) -> None:
     cells, steps = load_cells(meta_paths)
-    summary = summarize(cells, steps)
+    rows, _failed = collectives.load(list(collective_metas))
+    curves = pd.DataFrame(rows, columns=list(collectives.COLUMNS))
+    for col in ("devices", "bytes", "time_s", "algbw_GBps", "busbw_GBps", "iters"):
+        curves[col] = pd.to_numeric(curves[col])
+    summary = summarize(cells, steps, curves)
     cells = cells.drop(columns="model_spec")
-    for df, path in ((steps, steps_out), (cells, cells_out), (summary, summary_out)):
+    outputs = [(steps, steps_out), (cells, cells_out), (summary, summary_out)]
+    if collectives_out is not None:
+        outputs.append((curves, collectives_out))
+    for df, path in outputs:
         records.atomic_write_bytes(Path(path), df.to_csv(index=False).encode())

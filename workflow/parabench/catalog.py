@@ -39,6 +39,10 @@ class StrategyRecord:
     needs_tp_plan: bool = False  # the model must declare which layers to split
     compiles: bool = True  # torch.compile composes with it (per block)
     reference: bool = False  # the baseline of speedup and equivalence
+    # What its point-to-point and list collectives carry: "gradients" (fp32, like the
+    # parameters) or "activations" (in the compute precision: bf16 under autocast).
+    # The profiler records those tensors' shapes but not their dtype.
+    sends: str = "gradients"
 
     @property
     def narrative(self) -> str:
@@ -119,6 +123,7 @@ _RECORDS = (
         "DTensor `parallelize_module`: the model's layer pairs split column- then row-wise",
         launch=RANK_PER_DEVICE,
         needs_tp_plan=True,
+        sends="activations",
     ),
     StrategyRecord(
         "model_parallel",
@@ -135,6 +140,7 @@ _RECORDS = (
         launch=RANK_PER_DEVICE,
         batch_split="microbatches",
         cuts_model=True,
+        sends="activations",
     ),
     StrategyRecord(
         "grad_accum",

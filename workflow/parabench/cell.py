@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from parabench import envinfo, equivalence, faults, profiling, records, runtime, strategies
+from parabench import anatomy, envinfo, equivalence, faults, profiling, records, runtime, strategies
 from parabench.data import LoaderBatches, SyntheticBatches
 from parabench.loop import all_ranks, measure
 from parabench.models import Model, build
@@ -176,6 +176,7 @@ def _run(spec: RunSpec, ctx: runtime.Context, out: Path, common: dict, t_start: 
     held = strategy.held_bytes()  # between steps: what the rank keeps, not transients
     state = strategy.full_state()  # before the profiled steps move the parameters on
     profiled = profiling.profile_steps(strategy, batches, spec.steps, spec.profile_steps, ctx, out)
+    list_bytes = 2 if spec.precision == "bf16" and spec.record.sends == "activations" else 4
     per_rank = all_ranks(
         {
             "times": measured.times,
@@ -185,6 +186,8 @@ def _run(spec: RunSpec, ctx: runtime.Context, out: Path, common: dict, t_start: 
             "peak_flops": peak_device * len(physical),
             "held_bytes": held,
             "trace": profiled.trace,
+            "anatomy": anatomy.anatomy(profiled.events, spec.record.cuts_model),
+            "comm": anatomy.volume(profiled.counted, list_bytes),
         },
         ctx,
     )
@@ -224,6 +227,8 @@ def _run(spec: RunSpec, ctx: runtime.Context, out: Path, common: dict, t_start: 
             "peak_memory_per_rank": [r["peak_memory"] for r in per_rank],
             "held_bytes_per_rank": [r["held_bytes"] for r in per_rank],
             "traces": [r["trace"] for r in per_rank],
+            "anatomy_per_rank": [r["anatomy"] for r in per_rank],
+            "comm_per_rank": [r["comm"] for r in per_rank],
             **reference,
             "hosts": sorted({r["host"] for r in per_rank}),
             "setup_s": setup_s,

@@ -13,6 +13,7 @@ import json
 import sys
 from pathlib import Path
 
+from parabench.config import COLLECTIVE_SIZES
 from parabench.spec import ModelSpec, RunSpec
 
 _SPEC_FIELDS = [f for f in dataclasses.fields(RunSpec) if f.name != "model"]
@@ -103,6 +104,10 @@ def main(argv: list[str] | None = None) -> int:
     agg.add_argument("--steps-out", type=Path, required=True)
     agg.add_argument("--summary-out", type=Path, required=True)
     agg.add_argument("--cells-out", type=Path, required=True)
+    agg.add_argument(
+        "--collectives", type=Path, nargs="*", default=[], help="benchmarks' meta.json"
+    )
+    agg.add_argument("--collectives-out", type=Path, help="merged collective curves (CSV)")
 
     rep = sub.add_parser("report", help="render report.html from the aggregated tables")
     rep.add_argument("--results", type=Path, required=True, help="directory with summary.csv")
@@ -115,6 +120,15 @@ def main(argv: list[str] | None = None) -> int:
     swp.add_argument("--results", help="results directory (overrides the config's)")
     swp.add_argument("--devices", help="device counts, e.g. 1,2,4, or auto: what the GPUs allow")
     swp.add_argument("--force", action="store_true", help="rerun cells already recorded")
+
+    col = sub.add_parser("collectives", help="collective curves at n ranks (under torchrun)")
+    col.add_argument("--devices", type=int, required=True, help="ranks (torchrun's nproc)")
+    col.add_argument(
+        "--sizes", default=",".join(map(str, COLLECTIVE_SIZES)), help="bytes, comma-separated"
+    )
+    col.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    col.add_argument("--timeout-s", type=float, default=300.0, help="process-group timeout")
+    col.add_argument("--out", type=Path, required=True)
 
     grd = sub.add_parser("guard", help="run a launch command; record a failure if it leaves none")
     grd.add_argument("--out", type=Path, required=True, help="the cell directory")
@@ -140,10 +154,18 @@ def main(argv: list[str] | None = None) -> int:
         from parabench.guard import guard
 
         cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
+        if "collectives" in cmd and "--devices" in cmd:
+            fields = {"kind": "collectives", "devices": int(cmd[cmd.index("--devices") + 1])}
+            return guard(args.out, cmd, args.timeout, fields)
         spec = spec_from_launch(cmd)
         if spec is None:
-            parser.error("guard needs a `parabench run` command after --")
+            parser.error("guard needs a `parabench run` or `collectives` command after --")
         return guard(args.out, cmd, args.timeout, spec.record_fields())
+    if args.command == "collectives":
+        from parabench.collectives import run as run_collectives
+
+        sizes = [int(s) for s in args.sizes.split(",") if s]
+        return run_collectives(args.devices, sizes, args.device, args.timeout_s, args.out)
     if args.command == "sweep":
         from parabench.sweep import main as sweep
 
@@ -158,7 +180,14 @@ def main(argv: list[str] | None = None) -> int:
         from parabench.records import ResultsError
 
         try:
-            aggregate(args.meta, args.steps_out, args.summary_out, args.cells_out)
+            aggregate(
+                args.meta,
+                args.steps_out,
+                args.summary_out,
+                args.cells_out,
+                args.collectives,
+                args.collectives_out,
+            )
         except ResultsError as e:  # one clear line naming the file, not a traceback
             print(f"parabench aggregate: refusing to merge: {e}", file=sys.stderr)
             return 1

@@ -20,6 +20,9 @@ MODEL_KEYS = ("arch", "batch_size", "strategies", "devices")
 # Axes that multiply the cells: each is a list in the config (a single value is taken
 # as a list of one), and each enters the cell's identity and path.
 AXES = ("precision", "optimizer", "compile")
+# Message sizes of the collectives benchmark (bytes): 1 KiB, 4 KiB, ... 64 MiB.
+COLLECTIVE_SIZES = tuple(2**k for k in range(10, 27, 2))
+
 # Plain keys copied from the config onto every cell's RunSpec.
 SPEC_KEYS = (
     "steps",
@@ -147,3 +150,19 @@ def problems(config: dict, workdir: Path | None = None) -> list[str]:
         if not res.is_relative_to(workdir.resolve()):
             out.append(f"results: {config['results']!r} lies outside the working directory")
     return out
+
+
+def collective_devices(config: dict) -> list[int]:
+    """Device counts that get a collectives benchmark: every n > 1 at which some cell
+    runs as n ranks on one node (what the scaling model needs curves for)."""
+    found = set()
+    for cell in cells(config):
+        s = cell.spec
+        runs_ranks = s.record.uses_torchrun(s.devices) and not s.static_skip_reason()
+        if s.repeat == 0 and runs_ranks and s.nodes == 1:
+            found.add(s.devices)
+    return sorted(found)
+
+
+def collective_sizes(config: dict) -> list[int]:
+    return list(config.get("collectives", {}).get("sizes") or COLLECTIVE_SIZES)

@@ -51,3 +51,24 @@ def block_flops(model: Model, batch: int = 8) -> list[int]:
         with torch.no_grad():
             x = block(x)
     return costs
+
+
+def activation_bytes_per_sample(model: Model, element_bytes: int = 4) -> float:
+    """Bytes of every leaf module's output for one sample: what a forward keeps for
+    backward, roughly (an analytic estimate on meta tensors; in-place and recomputed
+    outputs make the real figure lower, saved inputs of some ops higher)."""
+    meta = copy.deepcopy(model.blocks).to("meta")
+    total = [0]
+
+    def hook(_module, _inputs, output) -> None:
+        outs = output if isinstance(output, tuple | list) else (output,)
+        total[0] += sum(o.numel() for o in outs if isinstance(o, torch.Tensor))
+
+    handles = [m.register_forward_hook(hook) for m in meta.modules() if not list(m.children())]
+    try:
+        with torch.no_grad():
+            meta(_meta_input(model, 2))
+    finally:
+        for h in handles:
+            h.remove()
+    return total[0] * element_bytes / 2

@@ -17,42 +17,63 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 import shutil
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from torch.profiler import ProfilerActivity, profile, record_function
+from torch.profiler import ProfilerActivity, profile, record_function, schedule
 
+from parabench.anatomy import DATA_MARK, STEP_MARK
 from parabench.loop import synchronizer
 from parabench.runtime import Context
 from parabench.strategies.base import Strategy
-
-STEP_MARK = "parabench.step"  # record_function around each profiled step
 
 
 @dataclass
 class Profiled:
     trace: str  # file name of this rank's trace, in the cell directory
     events: list[dict]  # its Chrome trace events
-    cpu_alloc_peak: int  # peak of bytes allocated on the CPU within the profiled steps
+    cpu_alloc_peak: int  # peak of bytes allocated on the CPU within a profiled step
+    counted: list[dict]  # events of the step profiled with memory and tensor shapes
+
+
+def _run(strategy: Strategy, batches, steps: range, sync, timed_fetch: bool) -> None:
+    for step in steps:
+        if not timed_fetch:  # synthetic batches are made outside the step, as when timed
+            x, y = batches.batch(step)
+        sync()
+        with record_function(STEP_MARK):
+            if timed_fetch:  # DataLoader mode: the fetch is part of the step, as when timed
+                with record_function(DATA_MARK):
+                    x, y = batches.batch(step)
+            strategy.step(x, y)
+            sync()
 
 
 def profile_steps(
     strategy: Strategy, batches, first_step: int, count: int, ctx: Context, out: Path
 ) -> Profiled:
-    """Run `count` steps from `first_step` under the profiler; keep this rank's trace."""
+    """Run `count` steps from `first_step` under the profiler and keep this rank's
+    trace (the step's anatomy), then one more step profiled with memory and tensor
+    shapes (the CPU peak, and the bytes each collective moves). The profiler's own
+    first-step cost is kept out of the trace by a warm-up step it does not record;
+    memory and shape recording (work on every allocation and op) by their own step."""
     sync = synchronizer(strategy.devices())
     activities = [ProfilerActivity.CPU]
     if ctx.device.type == "cuda":
         activities.append(ProfilerActivity.CUDA)
+    timed_fetch = getattr(batches, "timed_fetch", False)
     sync()
-    with profile(activities=activities, profile_memory=True) as prof:
-        for step in range(first_step, first_step + count):
-            x, y = batches.batch(step)
-            with record_function(STEP_MARK):
-                strategy.step(x, y)
-                sync()
+    with profile(
+        activities=activities,
+        schedule=schedule(wait=0, warmup=1, active=count, repeat=1),
+    ) as prof:
+        for step in range(first_step, first_step + 1 + count):
+            _run(strategy, batches, range(step, step + 1), sync, timed_fetch)
+            prof.step()
     name = f"trace-rank{ctx.rank}.json.gz"
     raw = out / f".{name}.tmp.json"
     out.mkdir(parents=True, exist_ok=True)
@@ -65,7 +86,23 @@ def profile_steps(
     finally:
         raw.unlink(missing_ok=True)
         (out / f".{name}.tmp").unlink(missing_ok=True)
-    return Profiled(name, events, cpu_alloc_peak(events))
+
+    last = first_step + 1 + count
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True) as m:
+        _run(strategy, batches, range(last, last + 1), sync, timed_fetch)
+    counted = _exported(m)
+    return Profiled(name, events, cpu_alloc_peak(counted), counted)
+
+
+def _exported(prof) -> list[dict]:
+    """A profile's events, through the Chrome-trace export (the one stable format)."""
+    fd, path = tempfile.mkstemp(suffix=".json")
+    os.close(fd)
+    try:
+        prof.export_chrome_trace(path)
+        return json.loads(Path(path).read_text()).get("traceEvents", [])
+    finally:
+        os.unlink(path)
 
 
 def cpu_alloc_peak(events: list[dict]) -> int:

@@ -109,6 +109,11 @@ def write_outcome(out: Path, status: str, reason: str, **fields) -> None:
     write_meta(out / "meta.json", {"status": status, "reason": reason, **fields})
 
 
+def write_meta_only(out: Path, status: str, reason: str, **fields) -> None:
+    """A record of something that is not a cell (the collectives benchmark): no steps."""
+    write_meta(out / "meta.json", {"status": status, "reason": reason, **fields})
+
+
 def read_meta(path: Path) -> dict:
     """Load and check one meta.json; raise ResultsError naming the file if untrustworthy."""
     try:

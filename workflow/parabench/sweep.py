@@ -19,8 +19,8 @@ from pathlib import Path
 import yaml
 
 from parabench import records
-from parabench.config import cells, problems
-from parabench.launch import guarded_argv
+from parabench.config import cells, collective_devices, collective_sizes, problems
+from parabench.launch import collectives_argv, guarded_argv
 
 SCHEMA = Path(__file__).resolve().parents[1] / "schemas" / "config.schema.yaml"
 TEMPLATES = Path(__file__).resolve().parents[2] / "report"
@@ -109,10 +109,34 @@ def sweep(config: dict, workdir: Path, force: bool = False) -> Path:
         status = records.read_meta(meta)
         print(f"{label}: {status['status']} {status.get('reason') or ''}".rstrip(), flush=True)
 
+    benches = []
+    for n in collective_devices(config):
+        out = results / "collectives" / f"n{n}"
+        benches.append(out / "meta.json")
+        if not force and (out / "collectives.csv").exists():
+            continue
+        argv = collectives_argv(
+            n, collective_sizes(config), config["device"], config["timeout_s"], out, sys.executable
+        )
+        guarded = [sys.executable, "-m", "parabench", "guard", "--out", str(out)]
+        guarded += ["--timeout", f"{config['cell_timeout_s']:g}", "--", *argv]
+        log = results / "logs" / "collectives" / f"n{n}.log"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        with open(log, "w") as f:
+            subprocess.run(guarded, stdout=f, stderr=subprocess.STDOUT, check=False)
+        print(f"collectives at {n} ranks: {log}", flush=True)
+
     from parabench.aggregate import aggregate
     from parabench.report import render
 
-    aggregate(metas, results / "steps.csv", results / "summary.csv", results / "cells.csv")
+    aggregate(
+        metas,
+        results / "steps.csv",
+        results / "summary.csv",
+        results / "cells.csv",
+        benches,
+        results / "collectives.csv",
+    )
     render(results, TEMPLATES, config, results / "report.html")
     return results / "report.html"
 

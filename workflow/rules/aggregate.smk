@@ -6,8 +6,10 @@ rule aggregate:
     input:
         meta=[f"{cell_dir(path)}/meta.json" for path in CELLS],
         steps=[f"{cell_dir(path)}/steps.csv" for path in CELLS],
+        collectives=[f"{RESULTS}/collectives/n{n}/meta.json" for n in COLLECTIVE_DEVICES],
     output:
         steps=f"{RESULTS}/steps.csv",
+        collectives=f"{RESULTS}/collectives.csv",
         cells=f"{RESULTS}/cells.csv",
         summary=f"{RESULTS}/summary.csv",
     conda:
@@ -16,4 +18,6 @@ rule aggregate:
         f"{RESULTS}/logs/aggregate.log",
     shell:
         "parabench aggregate --meta {input.meta:q} --steps-out {output.steps:q} "
-        "--cells-out {output.cells:q} --summary-out {output.summary:q} > {log:q} 2>&1"
+        "--cells-out {output.cells:q} --summary-out {output.summary:q} "
+        "--collectives {input.collectives:q} --collectives-out {output.collectives:q} "
+        "> {log:q} 2>&1"

@@ -25,6 +25,27 @@ rule benchmark:
         "{params.launch} > {log:q} 2>&1"
 
 
+# What the interconnect carries at n ranks (see parabench.collectives), for the
+# scaling model: one job per multi-rank device count.
+rule collectives:
+    output:
+        meta=f"{RESULTS}/collectives/n{{devices}}/meta.json",
+    conda:
+        "../envs/parabench.yaml"
+    log:
+        f"{RESULTS}/logs/collectives/n{{devices}}.log",
+    wildcard_constraints:
+        devices=r"[1-9][0-9]*",
+    threads: lambda wc: int(wc.devices)
+    resources:
+        gpu=lambda wc: 0 if config["device"] == "cpu" else int(wc.devices),
+        runtime=lambda wc: int(config["cell_timeout_s"] // 60) + 5,
+    params:
+        launch=collectives_launch,
+    shell:
+        "{params.launch} > {log:q} 2>&1"
+
+
 # A cell needing more GPUs than one node has: one srun task per node, each running a
 # torchrun agent; the agents meet at a c10d rendezvous on the allocation's first node,
 # keyed by the job id. `mpi` tells the Slurm plugin not to wrap the command in its own

@@ -7,8 +7,8 @@ from snakemake.exceptions import WorkflowError
 
 from parabench.catalog import OPTIMIZERS, PRECISIONS, STRATEGIES, multi_rank
 from parabench.cli import spec_argv
-from parabench.config import cells, problems
-from parabench.launch import guarded_argv
+from parabench.config import cells, collective_devices, collective_sizes, problems
+from parabench.launch import guarded_argv, guarded_collectives_argv
 
 RESULTS = config["results"]
 # The repository (where report/ lives), whatever the working directory is.
@@ -78,3 +78,20 @@ MULTINODE_STRATEGIES_RE = "|".join(multi_rank())
 
 def nodes(wc):
     return _cell(wc).spec.nodes
+
+
+# The collectives benchmark: one per multi-rank device count of the sweep.
+COLLECTIVE_DEVICES = collective_devices(config)
+
+
+def collectives_launch(wc, output):
+    return shlex.join(
+        guarded_collectives_argv(
+            int(wc.devices),
+            collective_sizes(config),
+            config["device"],
+            config["timeout_s"],
+            config["cell_timeout_s"],
+            Path(output.meta).parent,
+        )
+    )

@@ -7,6 +7,7 @@ rule report:
         summary=f"{RESULTS}/summary.csv",
         cells=f"{RESULTS}/cells.csv",
         steps=f"{RESULTS}/steps.csv",
+        collectives=f"{RESULTS}/collectives.csv",
         templates=sorted(str(p) for p in (REPO / "report").rglob("*") if p.is_file()),
     output:
         f"{RESULTS}/report.html",

@@ -21,7 +21,7 @@ from parabench import equivalence
 from parabench.catalog import CATALOG, LABELS, STRATEGIES
 from parabench.report.figures import plots
 from parabench.report.loading import Results, row_anchor, rows
-from parabench.report.prose import environment, headlines, outcome
+from parabench.report.prose import comm_words, environment, headlines, outcome, why
 
 __all__ = ["LABELS", "Results", "build_context", "load_config", "render"]
 
@@ -37,7 +37,15 @@ def build_context(r: Results, config: dict) -> dict:
     diffs = s[s["rel_param_diff"].notna()]
     return {
         "outcome": outcome(s, r.cells),
-        "headlines": headlines(s),
+        "headlines": headlines(s, r.collectives),
+        "anatomy": [
+            {**row, "why": why(row, r.collectives)} for row in rows(s[s["status"] == "ok"])
+        ],
+        "collectives_16m": rows(
+            r.collectives[r.collectives["bytes"] == r.collectives["bytes"].max()]
+            if not r.collectives.empty
+            else r.collectives
+        ),
         "cpu_run": "cuda" not in device_types and config.get("device") != "cuda",
         "scaling": ", ".join(sorted(set(s["scaling"]))),
         "summary": rows(s),
@@ -78,6 +86,7 @@ def _filters(env: jinja2.Environment) -> None:
     env.filters["mib"] = lambda v: num(v / 2**20 if isinstance(v, int | float) else v, "{:.0f} MiB")
     env.filters["sci"] = lambda v: num(v, "{:.1e}")
     env.filters["anchor"] = row_anchor
+    env.filters["comm"] = comm_words
 
 
 def render(results: Path, templates: Path, config: dict, out: Path) -> None:

@@ -10,6 +10,7 @@ import matplotlib
 matplotlib.use("Agg")  # no display; set before pyplot is imported
 
 import matplotlib.pyplot as plt
+import numpy as np
 import pandas as pd
 import seaborn as sns
 
@@ -56,7 +57,13 @@ def plots(r: Results) -> dict[str, str]:
         for ax, panel in zip(axes[0], panels, strict=True):
             sub = ok[ok["panel"] == panel]
             if ideal is not None:
-                ax.plot(devices, [ideal(n) for n in devices], "k--", lw=1, label="ideal")
+                ax.plot(
+                    devices,
+                    [ideal(n) for n in devices],
+                    "k--",
+                    lw=1,
+                    label="ideal on this hardware",
+                )
             sns.lineplot(
                 data=sub,
                 x="devices",
@@ -97,9 +104,16 @@ def plots(r: Results) -> dict[str, str]:
             )
         return _png(fig)
 
-    out["speedup"] = per_model("Speedup vs one device", "speedup", "speedup (×)", ideal=float)
+    # The hardware's ideal, not n: on CPU the ranks share the cores single already used.
+    ideal = ok.groupby("devices")["ideal_speedup"].max().to_dict()
+    out["speedup"] = per_model(
+        "Speedup vs one device", "speedup", "speedup (×)", ideal=lambda n: ideal.get(n, n)
+    )
     out["efficiency"] = per_model(
-        "Scaling efficiency", "efficiency", "speedup / devices", ideal=lambda n: 1.0
+        "Scaling efficiency",
+        "efficiency",
+        "speedup / devices",
+        ideal=lambda n: ideal.get(n, n) / n,
     )
     out["throughput"] = per_model("Throughput", "throughput", "samples / s")
 
@@ -155,4 +169,100 @@ def plots(r: Results) -> dict[str, str]:
         g.set_axis_labels(label, "")
         g.set_titles("{col_name}")
         out[key] = _png(g.figure)
+    out.update(anatomy_plots(ok, palette, order))
+    if not r.collectives.empty:
+        out["collectives"] = collective_curves(r.collectives)
     return out
+
+
+PART_COLORS = {
+    "compute_s": "#4c72b0",
+    "comm_exposed_s": "#c44e52",
+    "bubble_s": "#dd8452",
+    "data_s": "#55a868",
+    "other_s": "#a0a0a0",
+}
+PART_LABELS = {
+    "compute_s": "compute",
+    "comm_exposed_s": "communication not hidden",
+    "bubble_s": "pipeline bubble",
+    "data_s": "data",
+    "other_s": "other (Python, launch)",
+}
+
+
+def anatomy_plots(ok: pd.DataFrame, palette: dict, order: list[str]) -> dict[str, str]:
+    """Stacked bars of each cell's step anatomy (with the measured step as a tick), and
+    the scaling model's prediction against the measurement."""
+    cells = ok[ok["profiled_step_s"].notna()]
+    if cells.empty:
+        return {}
+    out = {}
+    panels = list(dict.fromkeys(cells["panel"]))
+    heights = [cells[cells["panel"] == p].shape[0] for p in panels]
+    fig, axes = plt.subplots(
+        len(panels), 1, figsize=(8.5, 0.34 * sum(heights) + 1.4 * len(panels)), squeeze=False
+    )
+    for ax, panel in zip(axes[:, 0], panels, strict=True):
+        sub = cells[cells["panel"] == panel].copy()
+        sub["rank"] = sub["strategy"].map({s: i for i, s in enumerate(order)})
+        sub = sub.sort_values(["rank", "devices"], ascending=False)
+        labels = sub["strategy"] + " ×" + sub["devices"].astype(str)
+        left = np.zeros(len(sub))
+        for part, color in PART_COLORS.items():
+            values = sub[part].fillna(0).to_numpy() * 1e3
+            ax.barh(labels, values, left=left, color=color, label=PART_LABELS[part])
+            left += values
+        ax.plot(sub["step_time_s"] * 1e3, labels, "k|", markersize=14, label="measured step")
+        ax.set(title=f"Anatomy of a step — {panel}", xlabel="milliseconds per step")
+    axes[0, 0].legend(loc="upper left", bbox_to_anchor=(1.01, 1), frameon=False)
+    out["anatomy"] = _png(fig)
+
+    pred = cells[cells["predicted_step_s"].notna()]
+    if not pred.empty:
+        fig, ax = plt.subplots(figsize=(5.6, 4.6))
+        lo = min(pred["predicted_step_s"].min(), pred["step_time_s"].min()) * 0.7
+        hi = max(pred["predicted_step_s"].max(), pred["step_time_s"].max()) * 1.4
+        line = np.array([lo, hi])
+        ax.fill_between(line, line * 0.75, line * 1.25, color="0.9", label="within 25%")
+        ax.plot(line, line, "k--", lw=1)
+        sns.scatterplot(
+            data=pred.assign(devices=pred["devices"].astype(str)),
+            x="step_time_s",
+            y="predicted_step_s",
+            hue="strategy",
+            hue_order=[s for s in order if s in set(pred["strategy"])],
+            palette=palette,
+            style="devices",
+            s=60,
+            ax=ax,
+        )
+        ax.set(xscale="log", yscale="log", xlim=(lo, hi), ylim=(lo, hi))
+        ax.set(xlabel="measured step (s)", ylabel="predicted step (s)")
+        ax.set_title("Scaling model: predicted against measured")
+        sns.move_legend(ax, "upper left", bbox_to_anchor=(1.01, 1), frameon=False)
+        out["predicted"] = _png(fig)
+    return out
+
+
+def collective_curves(curves: pd.DataFrame) -> str:
+    """Bus bandwidth against message size, one line per op and device count."""
+    data = curves.assign(
+        devices=curves["devices"].astype(int).astype(str) + " ranks",
+        MiB=curves["bytes"] / 2**20,
+    )
+    g = sns.relplot(
+        data=data,
+        kind="line",
+        x="MiB",
+        y="busbw_GBps",
+        hue="op",
+        col="devices",
+        marker="o",
+        height=3.6,
+        aspect=1.3,
+    )
+    g.set(xscale="log")
+    g.set_axis_labels("message size (MiB)", "bus bandwidth (GB/s)")
+    g.set_titles("Collectives — {col_name} (" + str(curves["backend"].iloc[0]) + ")")
+    return _png(g.figure)

@@ -16,13 +16,16 @@ class Results:
     summary: pd.DataFrame
     cells: pd.DataFrame
     steps: pd.DataFrame
+    collectives: pd.DataFrame  # empty when no benchmark ran (no multi-rank cell)
 
     @classmethod
     def load(cls, results: Path) -> Results:
         tables = [pd.read_csv(results / f"{n}.csv") for n in ("summary", "cells", "steps")]
         for t in tables:  # one label per (model, variant): the plots' panels, the headlines'
             t["panel"] = panel_labels(t)
-        return cls(*tables)
+        path = results / "collectives.csv"
+        curves = pd.read_csv(path) if path.exists() else pd.DataFrame()
+        return cls(*tables, curves)
 
 
 def panel_labels(df: pd.DataFrame) -> pd.Series:

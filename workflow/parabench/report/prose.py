@@ -3,6 +3,7 @@ strategy was fastest and why. Each sentence links the row it comes from."""
 
 from __future__ import annotations
 
+import json
 import re
 
 import pandas as pd
@@ -15,7 +16,7 @@ def _fmt_x(v: float) -> str:
     return f"{v:.2f}×"
 
 
-def headlines(summary: pd.DataFrame) -> list[dict]:
+def headlines(summary: pd.DataFrame, curves: pd.DataFrame | None = None) -> list[dict]:
     """Per model, variant and device count: which strategy was fastest and by how much,
     as sentences built from summary.csv (each links the row it comes from). Emulated
     cells (stages stand-ins on one CPU) are not ranked: their speedup is not a real one."""
@@ -52,12 +53,14 @@ def headlines(summary: pd.DataFrame) -> list[dict]:
             text += "."
             if emulated:
                 text += f" Not ranked: {', '.join(emulated)} (stages emulated on one device)."
+            because = why(best, curves if curves is not None else pd.DataFrame())
             out.append(
                 {
                     "panel": panel,
                     "anchor": row_anchor(best),
                     "devices": int(n),
                     "text": text,
+                    "why": because,
                     "strategy": best["strategy"],
                     "speedup": float(best["speedup"]),
                     "efficiency": float(best["efficiency"]),
@@ -167,3 +170,78 @@ def outcome(summary: pd.DataFrame, cells: pd.DataFrame) -> dict:
             "failed cells for each reason)."
         )
     return {"level": "warn" if lines else "", "lines": lines}
+
+
+OP_WORDS = {
+    "all_reduce": "all-reduce",
+    "all_gather": "all-gather",
+    "reduce_scatter": "reduce-scatter",
+    "broadcast": "broadcast",
+    "send": "send",
+    "recv": "receive",
+    "all_to_all": "all-to-all",
+}
+CURVE_OP = {"send": "send_recv", "recv": "send_recv"}
+
+
+def _size(nbytes: float) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.1f} {unit}"
+    return f"{nbytes:.0f} B"
+
+
+def comm_words(comm_by_op: str) -> str:
+    """'all-reduce of 2.4 MB (1 call) and broadcast of 2.4 MB (12 calls)', biggest first."""
+    ops = json.loads(comm_by_op) if isinstance(comm_by_op, str) and comm_by_op else {}
+    parts = []
+    for op, v in sorted(ops.items(), key=lambda kv: -kv[1]["bytes"]):
+        calls = round(v["count"])
+        plural = "s" if calls != 1 else ""
+        parts.append(f"{OP_WORDS.get(op, op)} of {_size(v['bytes'])} ({calls} call{plural})")
+    return " and ".join(parts[:2]) + (f" and {len(parts) - 2} more" if len(parts) > 2 else "")
+
+
+def busbw_at(curves: pd.DataFrame, op: str, devices: int, nbytes: float) -> float | None:
+    """The benchmark's bus bandwidth for `op` at the measured size nearest `nbytes`."""
+    if curves.empty:
+        return None
+    c = curves[(curves["op"] == CURVE_OP.get(op, op)) & (curves["devices"] == devices)]
+    if c.empty:
+        return None
+    return float(c.iloc[(c["bytes"] - nbytes).abs().argmin()]["busbw_GBps"])
+
+
+def why(row, curves: pd.DataFrame) -> str:
+    """One sentence from the cell's anatomy: where its step went, and, where
+    communication shows, what it sent and at what bandwidth."""
+    step = row.get("profiled_step_s")
+    if step is None or pd.isna(step) or not step:
+        return ""
+    label, n = LABELS.get(row["strategy"], row["strategy"]), int(row["devices"])
+    share = {
+        k: (row.get(k) or 0) / step
+        for k in ("compute_s", "comm_exposed_s", "bubble_s", "data_s", "other_s")
+    }
+    text = f"{label} at {n} device{'s' if n != 1 else ''}: "
+    pieces = [f"{share['compute_s']:.0%} of the step is compute"]
+    if share["comm_exposed_s"] >= 0.02 and row.get("comm_by_op"):
+        ops = json.loads(row["comm_by_op"])
+        top = max(ops, key=lambda k: ops[k]["bytes"]) if ops else None
+        said = f"{share['comm_exposed_s']:.0%} is {comm_words(row['comm_by_op'])} per rank"
+        if top and (bw := busbw_at(curves, top, n, ops[top]["bytes"] / max(1, ops[top]["count"]))):
+            said += f" at {bw:.2g} GB/s bus bandwidth"
+        pieces.append(said + " that compute did not hide")
+    if share["bubble_s"] >= 0.02:
+        pieces.append(f"{share['bubble_s']:.0%} is pipeline bubble (stages waiting on a neighbour)")
+    if share["data_s"] >= 0.02:
+        pieces.append(f"{share['data_s']:.0%} is fetching data")
+    if share["other_s"] >= 0.05:
+        pieces.append(f"{share['other_s']:.0%} is Python and launch overhead")
+    text += ", ".join(pieces[:-1]) + (" and " if len(pieces) > 1 else "") + pieces[-1] + "."
+    if row.get("prediction_flag") is True and row.get("prediction_miss"):
+        text += (
+            f" The scaling model predicted {row['predicted_step_s'] * 1e3:.1f} ms against "
+            f"{row['step_time_s'] * 1e3:.1f} ms measured; it misses {row['prediction_miss']}."
+        )
+    return text

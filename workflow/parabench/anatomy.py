@@ -1,0 +1,209 @@
+"""Where a step's time goes, and what it sends: read from a rank's profiler trace.
+
+Torch-free: pure functions over Chrome trace events (what `torch.profiler` exports), so
+a trace kept beside a cell can be read again anywhere.
+
+The critical timeline is where the step's work waits on itself: the main thread on CPU
+(gloo runs collectives on its own threads, so the main thread idles while it waits for
+one), the GPU streams on CUDA (the host runs ahead). Within each profiled step
+(`parabench.step`) time is attributed, in this order, each part taking only time no
+earlier part took, so the parts never overlap and sum to the profiled step:
+
+- data: batch fetch (`parabench.data`, DataLoader mode) and host-to-device copies;
+- compute: forward, backward and optimizer (every op on the critical timeline that is
+  not communication or a wait for it);
+- bubble: a pipeline stage idle, waiting to receive from a neighbour (for strategies
+  that cut the model; elsewhere a wait on a receive is communication);
+- comm_exposed: communication that compute did not hide (any collective or send/recv,
+  on any thread or stream, while the critical timeline did nothing else);
+- other: the rest (Python, launch overhead, waits on nothing we can name).
+
+comm is every collective's and send/recv's own time (union over threads or streams),
+hidden or not. Communication volume is counted from the c10d ops the trace records,
+with their tensor shapes: one per collective issued.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+from collections.abc import Iterable
+
+STEP_MARK = "parabench.step"
+DATA_MARK = "parabench.data"
+
+# Communication and waits for it, on any thread: gloo's own ops, the c10d dispatcher
+# ops, functional collectives (DTensor), FSDP2's waits for its gathers and reductions,
+# NCCL kernels.
+_COMM = re.compile(
+    r"^(gloo:|c10d::|_c10d_functional::|c10d_functional::|record_param_comms|"
+    r"FSDP::all_gather \(|FSDP::.*wait|nccl|ncclDevKernel|ncclKernel)"
+)
+_RECV = re.compile(r"^(gloo:recv|c10d::recv|ncclDevKernel_SendRecv|ncclKernel_SendRecv)")
+_H2D = re.compile(r"Memcpy HtoD|memcpy.*HtoD", re.I)
+
+# c10d ops counted as collectives issued, and the name each gets in the tables.
+OPS = {
+    "c10d::allreduce_": "all_reduce",
+    "c10d::allreduce_coalesced_": "all_reduce",
+    "c10d::_allgather_base_": "all_gather",
+    "c10d::allgather_": "all_gather",
+    "c10d::allgather_into_tensor_coalesced_": "all_gather",
+    "c10d::_reduce_scatter_base_": "reduce_scatter",
+    "c10d::reduce_scatter_": "reduce_scatter",
+    "c10d::reduce_scatter_tensor_coalesced_": "reduce_scatter",
+    "c10d::broadcast_": "broadcast",
+    "c10d::send": "send",
+    "c10d::recv_": "recv",
+    "c10d::alltoall_base_": "all_to_all",
+    "_c10d_functional::all_reduce": "all_reduce",
+    "_c10d_functional::all_gather_into_tensor": "all_gather",
+    "_c10d_functional::reduce_scatter_tensor": "reduce_scatter",
+    "_c10d_functional::broadcast": "broadcast",
+}
+_ELEMENT = {"float": 4, "c10::BFloat16": 2, "c10::Half": 2, "double": 8, "long int": 8, "int": 4}
+PARTS = ("compute_s", "comm_exposed_s", "bubble_s", "data_s", "other_s")
+
+
+Interval = tuple[float, float]
+
+
+def union(intervals: Iterable[Interval]) -> list[Interval]:
+    out: list[list[float]] = []
+    for a, b in sorted(intervals):
+        if b <= a:
+            continue
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return [(a, b) for a, b in out]
+
+
+def subtract(xs: list[Interval], ys: list[Interval]) -> list[Interval]:
+    """xs minus ys, both unions (sorted, disjoint)."""
+    out, j = [], 0
+    for a, b in xs:
+        while j < len(ys) and ys[j][1] <= a:
+            j += 1
+        k, start = j, a
+        while k < len(ys) and ys[k][0] < b:
+            if ys[k][0] > start:
+                out.append((start, ys[k][0]))
+            start = max(start, ys[k][1])
+            k += 1
+        if start < b:
+            out.append((start, b))
+    return out
+
+
+def clip(xs: list[Interval], lo: float, hi: float) -> list[Interval]:
+    return [(max(a, lo), min(b, hi)) for a, b in xs if b > lo and a < hi]
+
+
+def length(xs: list[Interval]) -> float:
+    return sum(b - a for a, b in xs)
+
+
+def _span(e: dict) -> Interval:
+    return (float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0)))
+
+
+def _is_device(e: dict) -> bool:
+    return e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset", "gpu_user_annotation")
+
+
+def step_windows(events: list[dict]) -> tuple[list[Interval], object]:
+    """The profiled steps' spans, and the thread that ran them (the main thread)."""
+    steps = [e for e in events if e.get("ph") == "X" and e.get("name") == STEP_MARK]
+    steps = [e for e in steps if e.get("cat") != "gpu_user_annotation"]
+    return [_span(e) for e in steps], (steps[0]["tid"] if steps else None)
+
+
+def anatomy(events: list[dict], cuts_model: bool = False) -> dict[str, float]:
+    """Seconds of each part in the median profiled step, plus `step_s` and `comm_s`."""
+    windows, main = step_windows(events)
+    if not windows:
+        return {}
+    spans = [e for e in events if e.get("ph") == "X" and "dur" in e]
+    device = [e for e in spans if _is_device(e)]
+    on_gpu = any(e.get("cat") == "kernel" for e in device)
+    comm = union(_span(e) for e in spans if _COMM.match(e["name"]))
+    data = union(
+        [_span(e) for e in spans if e["name"] == DATA_MARK]
+        + [_span(e) for e in device if _H2D.search(e["name"])]
+    )
+    if on_gpu:  # the streams are the critical timeline; the host queues ahead
+        busy = [_span(e) for e in device if e.get("cat") == "kernel" and not _COMM.match(e["name"])]
+        recv = [_span(e) for e in device if _RECV.match(e["name"])]
+    else:
+        main_ops = [e for e in spans if e.get("tid") == main and e.get("cat") == "cpu_op"]
+        busy = [_span(e) for e in main_ops if not _COMM.match(e["name"])]
+        recv = [_span(e) for e in spans if e.get("tid") == main and _RECV.match(e["name"])]
+        # an op that merely waits on communication is not compute
+        busy = subtract(union(busy), comm_on_main(spans, main))
+    compute = subtract(union(busy), data)
+    taken = union(data + compute)
+    bubble = subtract(union(recv), taken) if cuts_model else []
+    taken = union(taken + bubble)
+    exposed = subtract(comm, taken)
+    per_step = []
+    for lo, hi in windows:
+        parts = {
+            "data_s": length(clip(data, lo, hi)),
+            "compute_s": length(clip(compute, lo, hi)),
+            "bubble_s": length(clip(bubble, lo, hi)),
+            "comm_exposed_s": length(clip(exposed, lo, hi)),
+            "comm_s": length(clip(comm, lo, hi)),
+        }
+        parts["other_s"] = max(0.0, (hi - lo) - sum(parts[k] for k in PARTS if k != "other_s"))
+        parts["step_s"] = hi - lo
+        per_step.append({k: v / 1e6 for k, v in parts.items()})  # trace times are µs
+    # The median step, whole: robust to one step a neighbour's process slowed, and its
+    # parts still sum to it (a median of each part would not).
+    return sorted(per_step, key=lambda p: p["step_s"])[(len(per_step) - 1) // 2]
+
+
+def comm_on_main(spans: list[dict], main) -> list[Interval]:
+    return union(_span(e) for e in spans if e.get("tid") == main and _COMM.match(e["name"]))
+
+
+def _numel(dims) -> int:
+    if not dims:
+        return 0
+    if isinstance(dims[0], list):  # a TensorList: its tensors' sizes
+        return sum(_numel(d) for d in dims)
+    n = 1
+    for d in dims:
+        n *= int(d)
+    return n
+
+
+def volume(events: list[dict], list_element_bytes: int = 4) -> dict[str, dict[str, float]]:
+    """Collectives issued and bytes handed to them, per op, per profiled step. Sizes
+    follow nccl-tests: the full buffer (for all-gather the gathered output, for
+    reduce-scatter the input to reduce). A TensorList's dtype is not in the trace:
+    its elements are `list_element_bytes` each (the caller knows what it sends)."""
+    windows, main = step_windows(events)
+    if not windows:
+        return {}
+    out: dict[str, dict[str, float]] = defaultdict(lambda: {"count": 0.0, "bytes": 0.0})
+    for e in events:
+        op = OPS.get(e.get("name", ""))
+        if op is None or e.get("ph") != "X" or e.get("tid") != main:
+            continue
+        t = float(e["ts"])
+        if not any(lo <= t <= hi for lo, hi in windows):
+            continue
+        args = e.get("args", {})
+        dims, types = args.get("Input Dims", []), args.get("Input type", [])
+        tensors = [(d, ty) for d, ty in zip(dims, types, strict=False) if ty and ty != "Scalar"]
+        if not tensors:
+            continue
+        sizes = []
+        for d, ty in tensors[:2]:  # (output, input) or (tensors,): the buffers it moves
+            each = list_element_bytes if ty == "TensorList" else _ELEMENT.get(ty, 4)
+            sizes.append(_numel(d) * each)
+        out[op]["count"] += 1 / len(windows)
+        out[op]["bytes"] += max(sizes) / len(windows)
+    return {k: dict(v) for k, v in out.items()}
