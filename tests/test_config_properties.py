@@ -184,6 +184,8 @@ def test_every_number_yaml_can_hold_is_meant_or_refused_naming_its_key(path, val
         ({**BASE, "seed": 2**32}, "seed"),
         ({**BASE, "timeout_s": 10**9}, "timeout_s"),
         ({**BASE, "repeats": 10**6}, "repeats"),
+        # the seed MLP's 50-wide layer cannot be split over 4 tensor-parallel ranks
+        ({**BASE, "strategies": ["tp"], "devices": [4]}, "models.m.dims"),
     ],
 )
 def test_numbers_nobody_means_are_refused_naming_the_key(config, key):

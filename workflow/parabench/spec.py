@@ -114,6 +114,19 @@ class ModelSpec:
                 f"n_head: {self.size('n_head')} attention heads do not split evenly over "
                 f"{devices} tensor-parallel ranks"
             )
+        if self.arch in ("mlp", "seqnet"):
+            # The plan splits Linear pairs (0, 1), (2, 3), ...: each pair's inner width
+            # (the first's outputs, the second's inputs) is cut into n slices.
+            dims = list(self.size("dims"))
+            inner = [dims[i + 1] for i in range(0, len(dims) - 2, 2)]
+            if bad := [w for w in inner if w % devices]:
+                return (
+                    f"dims: tensor parallel splits the widths {inner} over {devices} ranks, "
+                    f"and {bad} do not divide by {devices}"
+                )
+        if self.arch == "resmlp" and (4 * self.size("width")) % devices:
+            hidden = 4 * self.size("width")
+            return f"width: the MLP's 4 x width ({hidden}) does not divide by {devices}"
         return None
 
     def custom(self):
