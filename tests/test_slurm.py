@@ -81,7 +81,10 @@ def test_every_cell_ran_as_its_own_slurm_job(sweep):
         assert job["JobState"] == "COMPLETED", job
         # --gpus=N is recorded per job as TresPerJob=gres:gpu:N
         assert job.get("TresPerJob") == f"gres:gpu:{c['devices']}", job
-    assert len(list((work / "logs/slurm").rglob("*.log"))) == 3, "the plugin's job logs"
+    logs = work / "logs/slurm"
+    assert len(list((logs / "rule_benchmark").rglob("*.log"))) == 3, "the plugin's job logs"
+    # the collectives benchmark (ddp at 2 ranks needs curves at n=2) is a job of its own
+    assert len(list((logs / "rule_collectives").rglob("*.log"))) == 1
 
 
 def test_each_job_got_the_gpus_it_asked_for(sweep):

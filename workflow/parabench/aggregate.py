@@ -360,15 +360,23 @@ def summarize(
     summary["achieved_flops"] = summary["flops_per_step"] / summary["step_time_s"]
     summary["mfu"] = summary["achieved_flops"] / summary["peak_flops_total"]
     summary = summary.join(scaling.predict(summary, curves, list(VARIANT_KEYS)))
+    # Only for models that ran: one that failed may be one nobody can build (too large).
+    ran = summary[summary["status"] == "ok"]
     memory = [
         scaling.memory_model(
             r,
             _model_facts(r["model_spec"], r["global_batch"])["params"],
             _model_facts(r["model_spec"], r["global_batch"])["activations_per_sample"],
         )
-        for _, r in summary.iterrows()
+        for _, r in ran.iterrows()
     ]
-    summary = summary.join(pd.DataFrame(memory, index=summary.index))
+    memory_cols = [
+        "model_params_bytes",
+        "model_grads_bytes",
+        "model_optimizer_bytes",
+        "model_activations_bytes",
+    ]
+    summary = summary.join(pd.DataFrame(memory, index=ran.index, columns=memory_cols))
     summary["ideal_speedup"] = [ideal_speedup(r, summary) for _, r in summary.iterrows()]
     return summary[list(SUMMARY_COLUMNS)]
 
