@@ -33,6 +33,7 @@ run: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/snakefmt --check Snakefile workflow/rules/
 	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/snakemake --lint
 
 test: $(STAMP) lint

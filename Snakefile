@@ -19,7 +19,7 @@ include: "workflow/rules/report.smk"
 
 
 rule all:
+    default_target: True
     input:
         f"{RESULTS}/summary.csv",
         f"{RESULTS}/report.html",
-    default_target: True

@@ -40,7 +40,7 @@ def comm(meta: dict, rank: int = 0) -> dict:
 @pytest.mark.slow
 def test_single_sends_nothing(tmp_path):
     meta = ran(tmp_path, "single", 1)
-    (parts,) = meta["anatomy_per_rank"]
+    parts = anatomy.critical(meta["anatomy_per_rank"])
     assert parts["comm_s"] == 0 and parts["comm_exposed_s"] == 0
     assert comm(meta) == {}
     assert parts["compute_s"] > 0.5 * parts["step_s"], parts
@@ -82,7 +82,7 @@ def test_the_anatomy_closes_on_the_measured_step(tmp_path, strategy):
     meta = ran(
         tmp_path, strategy, 2, model=WIDE, batch_size=512, steps=20, warmup=5, profile_steps=5
     )
-    crit = max(meta["anatomy_per_rank"], key=lambda a: a["step_s"])
+    crit = anatomy.critical(meta["anatomy_per_rank"])
     parts = sum(crit[k] for k in anatomy.PARTS)
     assert parts == pytest.approx(crit["step_s"], rel=1e-9), "the parts are the profiled step"
     steps = pd.read_csv(tmp_path / "steps.csv")
@@ -110,7 +110,7 @@ def test_attribution_on_a_synthetic_trace():
         ev("aten::addmm", 60, 20),
         ev("gloo:all_reduce", 30, 40, tid=2, cat="user_annotation"),
     ]
-    a = anatomy.anatomy(events)
+    (a,) = anatomy.anatomy(events)
     assert a["compute_s"] == pytest.approx(60e-6)
     assert a["comm_s"] == pytest.approx(40e-6)
     assert a["comm_exposed_s"] == pytest.approx(20e-6)
@@ -124,9 +124,18 @@ def test_a_stage_waiting_to_receive_is_bubble_only_in_a_pipeline():
         ev("aten::mm", 0, 50),
         ev("gloo:recv", 50, 40, cat="user_annotation"),
     ]
-    assert anatomy.anatomy(events, cuts_model=True)["bubble_s"] == pytest.approx(40e-6)
-    plain = anatomy.anatomy(events, cuts_model=False)
+    assert anatomy.anatomy(events, cuts_model=True)[0]["bubble_s"] == pytest.approx(40e-6)
+    (plain,) = anatomy.anatomy(events, cuts_model=False)
     assert plain["bubble_s"] == 0 and plain["comm_exposed_s"] == pytest.approx(40e-6)
+
+
+def test_the_critical_step_is_the_median_of_each_steps_slowest_rank():
+    def step(t):
+        return {"step_s": t, "compute_s": t}
+
+    fast, slow = [step(1), step(5), step(3)], [step(2), step(4), step(9)]
+    # per step the slowest rank: 2, 5, 9 -> the median step is rank 0's second
+    assert anatomy.critical([fast, slow]) == step(5)
 
 
 def test_volume_reads_sizes_the_nccl_tests_way():

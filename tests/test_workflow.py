@@ -115,6 +115,16 @@ def test_report_and_logs_exist_per_cell(run):
     assert len(list((run / "results/logs/runs").rglob("*.log"))) == 11
 
 
+def test_snakemake_report_packs_the_report_plots_and_tables(run):
+    import zipfile
+
+    proc = snakemake(run, "--report", "report.zip", config=CONFIG)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    names = zipfile.ZipFile(run / "report.zip").namelist()
+    for item in ("report.html", "summary.csv", "collectives.csv", "speedup.png", "anatomy.png"):
+        assert any(n.endswith(item) for n in names), (item, names)
+
+
 def test_second_run_does_nothing(run):
     proc = snakemake(run, "-n", config=CONFIG)
     assert proc.returncode == 0, proc.stderr

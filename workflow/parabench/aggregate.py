@@ -27,7 +27,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from parabench import collectives, equivalence, records, scaling
+from parabench import anatomy, collectives, equivalence, records, scaling, statistics
 from parabench.catalog import record
 from parabench.flops import activation_bytes_per_sample, step_flops
 from parabench.models import build, maths_notes
@@ -50,12 +50,22 @@ SUMMARY_COLUMNS: dict[str, str] = {
     "step_time_s": "median over repeats of each repeat's median timed step (headline)",
     "step_time_min_s": "fastest repeat's median step",
     "step_time_max_s": "slowest repeat's",
+    "step_time_ci_low_s": "95% bootstrap interval of step_time_s (repeats, then steps)",
+    "step_time_ci_high_s": "upper end of that interval",
     "step_time_p50_s": "median over all timed steps of all repeats",
     "step_time_p90_s": "90th percentile over all timed steps of all repeats",
+    "step_time_p95_s": "95th percentile over all timed steps of all repeats",
+    "step_time_iqr_s": "interquartile range over all timed steps of all repeats",
+    "noisy": "True when step_time_iqr_s / step_time_p50_s > 10%",
+    "rank_spread": "slowest rank's step over the fastest's, median over steps",
     "throughput": "samples per second = global_batch / step_time_s",
     "tokens_per_s": "language models: tokens per second = throughput x tokens per sample",
     "speedup": "throughput / throughput of single at 1 device, same model and variant",
     "efficiency": "speedup / devices",
+    "speedup_ci_low": "95% bootstrap interval of speedup (both cells resampled)",
+    "speedup_ci_high": "upper end of that interval",
+    "efficiency_ci_low": "speedup_ci_low / devices",
+    "efficiency_ci_high": "speedup_ci_high / devices",
     "flops_per_step": "FLOPs of one optimizer step (FlopCounterMode)",
     "achieved_flops": "flops_per_step / step_time_s",
     "mfu": "achieved_flops / peak FLOP/s of the devices used, in the cell's precision",
@@ -69,13 +79,13 @@ SUMMARY_COLUMNS: dict[str, str] = {
     "equivalent": "True: same maths as single; False: differs; empty: not comparable",
     "likely_cause": "where a cell differs: the model's layers that change under this split",
     "emulated": "true when devices were stand-ins (stages all on one CPU)",
-    "compute_s": "critical rank, per profiled step: forward, backward, optimizer",
+    "compute_s": "critical profiled step (slowest rank, median step): fwd, bwd, optimizer",
     "comm_s": "all communication's own time (collectives, send/recv), hidden or not",
     "comm_exposed_s": "communication compute did not hide: on the critical path",
     "bubble_s": "a pipeline stage idle, waiting to receive from a neighbour",
     "data_s": "batch fetch (DataLoader mode) and host-to-device copies",
     "other_s": "the rest of the profiled step: Python, launch overhead",
-    "profiled_step_s": "the critical rank's profiled step (the parts' sum)",
+    "profiled_step_s": "the critical profiled step (the parts' sum)",
     "anatomy_closure": "profiled_step_s / step_time_s: 1 when profiling did not distort",
     "comm_bytes_per_step": "bytes handed to collectives and send/recv per step, busiest rank",
     "collectives_per_step": "collectives and send/recv issued per step, busiest rank",
@@ -132,12 +142,12 @@ ANATOMY = ("compute_s", "comm_s", "comm_exposed_s", "bubble_s", "data_s", "other
 
 
 def _anatomy_columns(meta: dict) -> dict:
-    """The critical rank's anatomy (the rank with the longest profiled step) and the
-    busiest rank's communication volume."""
+    """The critical anatomy (per profiled step the slowest rank, the median step; see
+    anatomy.critical) and the busiest rank's communication volume."""
     per_rank = [a for a in meta.get("anatomy_per_rank") or [] if a]
     out: dict = {k: np.nan for k in (*ANATOMY, "profiled_step_s")}
     if per_rank:
-        crit = max(per_rank, key=lambda a: a["step_s"])
+        crit = anatomy.critical(per_rank)
         out.update({k: crit[k] for k in ANATOMY}, profiled_step_s=crit["step_s"])
     comm = meta.get("comm_per_rank") or []
     loads = [
@@ -343,12 +353,14 @@ def summarize(
     if curves is None:
         curves = pd.DataFrame(columns=list(collectives.COLUMNS))
     keys = list(SUMMARY_KEYS)
-    timed = steps[steps["phase"] == "timed"]
-    pooled = timed.groupby(keys)["step_time_s"].agg(
-        step_time_p50_s="median", step_time_p90_s=lambda s: s.quantile(0.9)
-    )
+    pooled = statistics.step_statistics(steps, keys)
     summary = cells.groupby(keys, sort=False).apply(_one, include_groups=False)
-    summary = summary.join(pooled).reset_index()
+    if len(pooled):
+        summary = summary.join(pooled.set_index(keys))
+    summary = summary.reset_index()
+    for col in statistics.STEP_COLUMNS:
+        if col not in summary:
+            summary[col] = np.nan
     summary["throughput"] = summary["global_batch"] / summary["step_time_s"]
     summary["tokens_per_s"] = summary["throughput"] * summary["tokens_per_sample"]
     base = summary[(summary["strategy"] == "single") & (summary["devices"] == 1)]
@@ -357,6 +369,7 @@ def summarize(
     )["base"]
     summary["speedup"] = summary["throughput"] / base_thr
     summary["efficiency"] = summary["speedup"] / summary["devices"]
+    summary = summary.join(statistics.speedup_intervals(summary, steps, list(VARIANT_KEYS)))
     summary["achieved_flops"] = summary["flops_per_step"] / summary["step_time_s"]
     summary["mfu"] = summary["achieved_flops"] / summary["peak_flops_total"]
     summary = summary.join(scaling.predict(summary, curves, list(VARIANT_KEYS)))

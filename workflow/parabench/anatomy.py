@@ -120,11 +120,11 @@ def step_windows(events: list[dict]) -> tuple[list[Interval], object]:
     return [_span(e) for e in steps], (steps[0]["tid"] if steps else None)
 
 
-def anatomy(events: list[dict], cuts_model: bool = False) -> dict[str, float]:
-    """Seconds of each part in the median profiled step, plus `step_s` and `comm_s`."""
+def anatomy(events: list[dict], cuts_model: bool = False) -> list[dict[str, float]]:
+    """Seconds of each part of each profiled step, plus `step_s` and `comm_s`."""
     windows, main = step_windows(events)
     if not windows:
-        return {}
+        return []
     spans = [e for e in events if e.get("ph") == "X" and "dur" in e]
     device = [e for e in spans if _is_device(e)]
     on_gpu = any(e.get("cat") == "kernel" for e in device)
@@ -159,9 +159,21 @@ def anatomy(events: list[dict], cuts_model: bool = False) -> dict[str, float]:
         parts["other_s"] = max(0.0, (hi - lo) - sum(parts[k] for k in PARTS if k != "other_s"))
         parts["step_s"] = hi - lo
         per_step.append({k: v / 1e6 for k, v in parts.items()})  # trace times are µs
-    # The median step, whole: robust to one step a neighbour's process slowed, and its
-    # parts still sum to it (a median of each part would not).
-    return sorted(per_step, key=lambda p: p["step_s"])[(len(per_step) - 1) // 2]
+    return per_step
+
+
+def critical(per_rank: list[list[dict]]) -> dict:
+    """The anatomy to set beside the recorded step: per profiled step the slowest rank
+    (a step's time is the max over ranks, as in steps.csv), then the median of those
+    steps, whole: robust to one step a neighbour slowed, and its parts still sum to it
+    (a median of each part would not)."""
+    # (a rank's record before per-step lists held one step: read as a list of one)
+    ranks = [[r] if isinstance(r, dict) else r for r in per_rank if r]
+    if not ranks:
+        return {}
+    steps = min(len(r) for r in ranks)
+    slowest = [max((r[i] for r in ranks), key=lambda p: p["step_s"]) for i in range(steps)]
+    return sorted(slowest, key=lambda p: p["step_s"])[(len(slowest) - 1) // 2]
 
 
 def comm_on_main(spans: list[dict], main) -> list[Interval]:

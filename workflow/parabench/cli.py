@@ -114,6 +114,15 @@ def main(argv: list[str] | None = None) -> int:
     rep.add_argument("--templates", type=Path, required=True, help="the report/ directory")
     rep.add_argument("--config-json", default="", help="the workflow config, as JSON")
     rep.add_argument("--out", type=Path, required=True)
+    rep.add_argument("--plots-dir", type=Path, help="also write each plot as a PNG here")
+
+    cmp = sub.add_parser("compare", help="run B against run A: each change with its interval")
+    cmp.add_argument("a", type=Path, help="results directory of run A (the baseline)")
+    cmp.add_argument("b", type=Path, help="results directory of run B")
+    cmp.add_argument("--out", type=Path, default=Path("compare.html"), help="the HTML")
+    cmp.add_argument("--csv", type=Path, help="the table (default: beside --out, .csv)")
+    cmp.add_argument("--force", action="store_true", help="compare runs that differ")
+    cmp.add_argument("--templates", type=Path, help="the report/ directory")
 
     swp = sub.add_parser("sweep", help="run a whole config without Snakemake, then report")
     swp.add_argument("config", type=Path, help="a workflow config file (config/*.yaml)")
@@ -166,6 +175,25 @@ def main(argv: list[str] | None = None) -> int:
 
         sizes = [int(s) for s in args.sizes.split(",") if s]
         return run_collectives(args.devices, sizes, args.device, args.timeout_s, args.out)
+    if args.command == "compare":
+        from parabench import compare
+        from parabench.records import atomic_write_bytes
+        from parabench.sweep import TEMPLATES
+
+        try:
+            table, diffs = compare.compare(args.a, args.b, args.force)
+        except compare.CompareError as e:
+            print(f"parabench compare: {e}", file=sys.stderr)
+            return 2
+        for d in diffs:
+            print(f"differs: {d}")
+        csv_out = args.csv or args.out.with_suffix(".csv")
+        atomic_write_bytes(csv_out, table.to_csv(index=False).encode())
+        compare.render(table, diffs, args.a, args.b, args.templates or TEMPLATES, args.out)
+        for verdict, n in table["verdict"].value_counts().items():
+            print(f"{verdict}: {n} cells")
+        print(f"comparison: {args.out} and {csv_out}")
+        return 0
     if args.command == "sweep":
         from parabench.sweep import main as sweep
 
@@ -173,7 +201,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "report":
         from parabench.report import load_config, render
 
-        render(args.results, args.templates, load_config(args.config_json), args.out)
+        render(
+            args.results, args.templates, load_config(args.config_json), args.out, args.plots_dir
+        )
         return 0
     if args.command == "aggregate":
         from parabench.aggregate import aggregate

@@ -9,13 +9,15 @@ rule aggregate:
         collectives=[f"{RESULTS}/collectives/n{n}/meta.json" for n in COLLECTIVE_DEVICES],
     output:
         steps=f"{RESULTS}/steps.csv",
-        collectives=f"{RESULTS}/collectives.csv",
+        collectives=report(
+            f"{RESULTS}/collectives.csv", caption="../report/collectives.rst", category="Tables"
+        ),
         cells=f"{RESULTS}/cells.csv",
-        summary=f"{RESULTS}/summary.csv",
-    conda:
-        "../envs/parabench.yaml"
+        summary=report(f"{RESULTS}/summary.csv", caption="../report/summary.rst", category="Tables"),
     log:
         f"{RESULTS}/logs/aggregate.log",
+    conda:
+        "../envs/parabench.yaml"
     shell:
         "parabench aggregate --meta {input.meta:q} --steps-out {output.steps:q} "
         "--cells-out {output.cells:q} --summary-out {output.summary:q} "

@@ -7,18 +7,19 @@ rule benchmark:
     output:
         meta=f"{RESULTS}/{CELL_DIR}/meta.json",
         steps=f"{RESULTS}/{CELL_DIR}/steps.csv",
-    conda:
-        "../envs/parabench.yaml"
     log:
         f"{RESULTS}/logs/{CELL_DIR}.log",
     benchmark:
         f"{RESULTS}/logs/{CELL_DIR}.bench.tsv"
     wildcard_constraints:
         **WILDCARDS,
+    conda:
+        "../envs/parabench.yaml"
     threads: lambda wc: max(1, int(wc.devices))
     resources:
         gpu=gpus,
         runtime=lambda wc: int(config["cell_timeout_s"] // 60) + 5,
+        slurm_extra=slurm_comment,
     params:
         launch=guarded_launch,
     shell:
@@ -30,16 +31,17 @@ rule benchmark:
 rule collectives:
     output:
         meta=f"{RESULTS}/collectives/n{{devices}}/meta.json",
-    conda:
-        "../envs/parabench.yaml"
     log:
         f"{RESULTS}/logs/collectives/n{{devices}}.log",
     wildcard_constraints:
         devices=r"[1-9][0-9]*",
+    conda:
+        "../envs/parabench.yaml"
     threads: lambda wc: int(wc.devices)
     resources:
         gpu=lambda wc: 0 if config["device"] == "cpu" else int(wc.devices),
         runtime=lambda wc: int(config["cell_timeout_s"] // 60) + 5,
+        slurm_extra=lambda wc: f"--comment=parabench/collectives/n{wc.devices}",
     params:
         launch=collectives_launch,
     shell:
@@ -59,14 +61,14 @@ rule benchmark_multinode:
     output:
         meta=f"{RESULTS}/{CELL_DIR}/meta.json",
         steps=f"{RESULTS}/{CELL_DIR}/steps.csv",
-    conda:
-        "../envs/parabench.yaml"
     log:
         f"{RESULTS}/logs/{CELL_DIR}.log",
     benchmark:
         f"{RESULTS}/logs/{CELL_DIR}.bench.tsv"
     wildcard_constraints:
         **{**WILDCARDS, "strategy": MULTINODE_STRATEGIES_RE, "devices": MULTINODE_DEVICES_RE},
+    conda:
+        "../envs/parabench.yaml"
     threads: lambda wc: min(int(wc.devices), config["gpus_per_node"])
     resources:
         mpi="srun",

@@ -40,9 +40,7 @@ WILDCARDS = {
 
 
 def _cell(wc):
-    return CELLS[
-        f"runs/{wc.model}/{wc.variant}/{wc.strategy}/n{wc.devices}/r{wc.repeat}"
-    ]
+    return CELLS[f"runs/{wc.model}/{wc.variant}/{wc.strategy}/n{wc.devices}/r{wc.repeat}"]
 
 
 def run_args(wc):
@@ -95,3 +93,8 @@ def collectives_launch(wc, output):
             Path(output.meta).parent,
         )
     )
+
+
+def slurm_comment(wc):
+    """What `squeue -o %k` and sacct show for a cell's job: the cell, readable."""
+    return f"--comment=parabench/{wc.model}/{wc.variant}/{wc.strategy}/n{wc.devices}/r{wc.repeat}"

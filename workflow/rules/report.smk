@@ -1,4 +1,6 @@
-# The shareable report: one self-contained HTML file (plots inline, no network).
+# The shareable report: one self-contained HTML file (plots inline, no network). Its
+# plots also go to plots/ as PNGs, and the report, plots and tables are Snakemake report
+# items: `snakemake --report report.zip` packs them with their captions.
 import json
 
 
@@ -10,18 +12,29 @@ rule report:
         collectives=f"{RESULTS}/collectives.csv",
         templates=sorted(str(p) for p in (REPO / "report").rglob("*") if p.is_file()),
     output:
-        f"{RESULTS}/report.html",
-    conda:
-        "../envs/parabench.yaml"
+        html=report(
+            f"{RESULTS}/report.html",
+            caption="../report/report.rst",
+            category="Report",
+        ),
+        plots=report(
+            directory(f"{RESULTS}/plots"),
+            patterns=["{name}.png"],
+            caption="../report/plots.rst",
+            category="Plots",
+        ),
     log:
         f"{RESULTS}/logs/report.log",
+    conda:
+        "../envs/parabench.yaml"
     params:
         config=json.dumps(config, sort_keys=True),
         results=lambda wc, input: Path(input.summary).parent,
         templates=REPO / "report",
     shell:
         "parabench report --results {params.results:q} --templates {params.templates:q} "
-        "--config-json {params.config:q} --out {output:q} > {log:q} 2>&1"
+        "--config-json {params.config:q} --out {output.html:q} "
+        "--plots-dir {output.plots:q} > {log:q} 2>&1"
 
 
 localrules:

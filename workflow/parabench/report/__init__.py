@@ -10,6 +10,7 @@ summary columns they come from, so each number traces to a CSV row.
 
 from __future__ import annotations
 
+import base64
 import json
 from pathlib import Path
 
@@ -89,7 +90,11 @@ def _filters(env: jinja2.Environment) -> None:
     env.filters["comm"] = comm_words
 
 
-def render(results: Path, templates: Path, config: dict, out: Path) -> None:
+def render(
+    results: Path, templates: Path, config: dict, out: Path, plots_dir: Path | None = None
+) -> None:
+    """The report; with `plots_dir`, each plot also as its own PNG (for Snakemake's
+    report, which lists files)."""
     from parabench.records import atomic_write_bytes
 
     env = jinja2.Environment(
@@ -102,6 +107,11 @@ def render(results: Path, templates: Path, config: dict, out: Path) -> None:
     _filters(env)
     ctx = build_context(Results.load(results), config)
     html = env.get_template("report.html.j2").render(**ctx)
+    if plots_dir is not None:
+        Path(plots_dir).mkdir(parents=True, exist_ok=True)
+        for name, uri in ctx["plots"].items():
+            png = base64.b64decode(uri.split(",", 1)[1])
+            atomic_write_bytes(Path(plots_dir) / f"{name}.png", png)
     atomic_write_bytes(out, html.encode())
 
 

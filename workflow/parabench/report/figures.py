@@ -75,6 +75,18 @@ def plots(r: Results) -> dict[str, str]:
                 ax=ax,
                 legend=ax is axes[0][0],
             )
+            lo, hi = f"{y}_ci_low", f"{y}_ci_high"
+            if lo in sub and sub[lo].notna().any():  # the 95% bootstrap intervals
+                for strategy, g in sub.groupby("strategy"):
+                    ax.errorbar(
+                        g["devices"],
+                        g[y],
+                        yerr=[g[y] - g[lo], g[hi] - g[y]],
+                        fmt="none",
+                        ecolor=palette.get(strategy, "k"),
+                        capsize=3,
+                        lw=1,
+                    )
             if y in reps:
                 sns.stripplot(
                     data=reps[reps["panel"] == panel],

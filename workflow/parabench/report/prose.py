@@ -8,12 +8,26 @@ import re
 
 import pandas as pd
 
+from parabench import statistics
 from parabench.catalog import LABELS
 from parabench.report.loading import row_anchor
 
 
 def _fmt_x(v: float) -> str:
     return f"{v:.2f}×"
+
+
+def _ci(row) -> tuple[float, float]:
+    """A row's speedup interval (the point itself where none was computed)."""
+    lo, hi = row.get("speedup_ci_low"), row.get("speedup_ci_high")
+    if lo is None or pd.isna(lo):
+        return (row["speedup"], row["speedup"])
+    return (lo, hi)
+
+
+def _ci_text(row) -> str:
+    lo, hi = _ci(row)
+    return "" if lo == hi else f" (95% CI {lo:.2f}–{hi:.2f})"
 
 
 def headlines(summary: pd.DataFrame, curves: pd.DataFrame | None = None) -> list[dict]:
@@ -33,19 +47,29 @@ def headlines(summary: pd.DataFrame, curves: pd.DataFrame | None = None) -> list
                 continue
             best = ranked.iloc[0]
             name = LABELS.get(best["strategy"], best["strategy"])
+            # Claimed fastest only where its interval clears the runner-up's.
+            ties = [
+                LABELS.get(r["strategy"], r["strategy"])
+                for _, r in ranked.iloc[1:].iterrows()
+                if not statistics.separated(_ci(best), _ci(r))
+            ]
             if best["speedup"] >= 1:
-                lead = f"{_fmt_x(best['speedup'])} the throughput of one device"
+                lead = f"{_fmt_x(best['speedup'])}{_ci_text(best)} the throughput of one device"
             else:
                 lead = (
-                    f"only {_fmt_x(best['speedup'])} the throughput of one device, "
-                    "slower than not parallelising at all"
+                    f"only {_fmt_x(best['speedup'])}{_ci_text(best)} the throughput of one "
+                    "device, slower than not parallelising at all"
                 )
-            text = (
-                f"At {n} devices, the fastest was {name}: {lead} "
-                f"({best['efficiency']:.0%} scaling efficiency)"
-            )
+            if ties:
+                text = (
+                    f"At {n} devices, {name} and {', '.join(ties)} are indistinguishable at "
+                    f"this noise (their 95% intervals overlap); {name}'s median is {lead}"
+                )
+            else:
+                text = f"At {n} devices, the fastest was {name}: {lead}"
+            text += f" ({best['efficiency']:.0%} scaling efficiency)"
             others = [
-                f"{LABELS.get(r['strategy'], r['strategy'])} {_fmt_x(r['speedup'])}"
+                f"{LABELS.get(r['strategy'], r['strategy'])} {_fmt_x(r['speedup'])}{_ci_text(r)}"
                 for _, r in ranked.iloc[1:].iterrows()
             ]
             if others:

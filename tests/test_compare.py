@@ -1,0 +1,71 @@
+"""`parabench compare`: a run against itself is indistinguishable everywhere; a run
+where one strategy is 30% slower says slower for exactly those cells; runs on
+different hardware are refused unless forced. Real CLI, the report fixture's results."""
+
+import subprocess
+import sys
+
+import pandas as pd
+import pytest
+
+from parabench.aggregate import aggregate
+from report_fixture import CELLS, make_results
+
+
+def results(root, cells=CELLS):
+    metas = make_results(root, cells=cells)
+    aggregate(metas, root / "steps.csv", root / "summary.csv", root / "cells.csv")
+    return root
+
+
+def run_compare(a, b, out, *extra):
+    return subprocess.run(
+        [sys.executable, "-m", "parabench", "compare", str(a), str(b), "--out", str(out), *extra],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    return results(tmp_path_factory.mktemp("a"))
+
+
+def test_a_run_against_itself_is_indistinguishable_everywhere(base, tmp_path):
+    proc = run_compare(base, base, tmp_path / "c.html")
+    assert proc.returncode == 0, proc.stderr
+    table = pd.read_csv(tmp_path / "c.csv")
+    assert len(table) == sum(1 for v in CELLS.values() if v[1] == "ok")
+    assert (table["verdict"] == "indistinguishable").all()
+    html = (tmp_path / "c.html").read_text()
+    assert "indistinguishable" in html and "<script" not in html.split("</style>")[1]
+
+
+def test_thirty_percent_slower_ddp_is_slower_exactly_there(base, tmp_path):
+    slow = {
+        k: ((v[0] * 1.3 if k[0] == "ddp" and v[0] else v[0]), v[1], v[2]) for k, v in CELLS.items()
+    }
+    b = results(tmp_path / "b", slow)
+    proc = run_compare(base, b, tmp_path / "c.html")
+    assert proc.returncode == 0, proc.stderr
+    table = pd.read_csv(tmp_path / "c.csv").set_index(["strategy", "devices"])
+    slower = set(table.index[table["verdict"] == "slower"])
+    assert slower == {("ddp", 2), ("ddp", 4)}
+    assert (table.drop(list(slower))["verdict"] == "indistinguishable").all()
+    assert table.loc[("ddp", 2), "ratio"] == pytest.approx(1.3)
+
+
+def test_different_hardware_is_refused_unless_forced(base, tmp_path):
+    b = results(tmp_path / "b")
+    cells = pd.read_csv(b / "cells.csv")
+    cells["cpu_model"] = "Another CPU 9000"
+    cells.to_csv(b / "cells.csv", index=False)
+    refused = run_compare(base, b, tmp_path / "c.html")
+    assert refused.returncode == 2
+    assert "cpu_model" in refused.stderr and "Another CPU 9000" in refused.stderr
+    assert not (tmp_path / "c.html").exists()
+    forced = run_compare(base, b, tmp_path / "c.html", "--force")
+    assert forced.returncode == 0, forced.stderr
+    assert "differs: hardware: cpu_model" in forced.stdout
+    assert "Another CPU 9000" in (tmp_path / "c.html").read_text()

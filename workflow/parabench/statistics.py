@@ -1,0 +1,132 @@
+"""How sure is each number: bootstrap intervals, noise and straggler flags, verdicts.
+
+The headline step time of a cell is the median over repeats of each repeat's median
+timed step. Its 95% interval comes from a two-level bootstrap that follows how the data
+were made: resample the repeats (separate launches: launch-to-launch variance), then
+within each the timed steps (step-to-step variance), and take the same statistic.
+With one repeat only the steps are resampled, so the interval covers step noise only,
+not the launch-to-launch variance a shared machine adds; docs/results.md says so.
+
+A speedup is a ratio of two cells' step times (or throughputs): its interval is the
+percentile interval of the ratio of the two cells' independent bootstrap draws.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+
+RESAMPLES = 2000
+LEVEL = 0.95
+NOISY = 0.10  # IQR / median above this: the cell's steps vary too much to rank closely
+SEED = 20261122  # fixed, so the same tables give the same intervals
+STEP_COLUMNS = (
+    "step_time_ci_low_s",
+    "step_time_ci_high_s",
+    "step_time_p50_s",
+    "step_time_p90_s",
+    "step_time_p95_s",
+    "step_time_iqr_s",
+    "noisy",
+    "rank_spread",
+)
+
+
+def draws(repeats: list[np.ndarray], resamples: int = RESAMPLES, seed: int = SEED) -> np.ndarray:
+    """Bootstrap draws of median-over-repeats of each repeat's median step."""
+    rng = np.random.default_rng(seed)
+    per_repeat = []
+    for steps in repeats:  # each repeat's median, under resampled steps
+        idx = rng.integers(0, len(steps), size=(resamples, len(steps)))
+        per_repeat.append(np.median(steps[idx], axis=1))
+    m = np.stack(per_repeat)  # repeats x resamples
+    if len(repeats) == 1:
+        return m[0]
+    pick = rng.integers(0, len(repeats), size=(resamples, len(repeats)))
+    return np.median(m[pick, np.arange(resamples)[:, None]], axis=1)
+
+
+def interval(samples: np.ndarray, level: float = LEVEL) -> tuple[float, float]:
+    lo, hi = np.quantile(samples, [(1 - level) / 2, (1 + level) / 2])
+    return float(lo), float(hi)
+
+
+def verdict(lo: float, hi: float, better_below: float = 1.0) -> str:
+    """Of a ratio new/old of step times: 'faster' when the whole interval is below 1,
+    'slower' when above, else 'indistinguishable' (at this noise)."""
+    if hi < better_below:
+        return "faster"
+    if lo > better_below:
+        return "slower"
+    return "indistinguishable"
+
+
+def separated(a: tuple[float, float], b: tuple[float, float]) -> bool:
+    """Whether two intervals do not overlap."""
+    return a[0] > b[1] or b[0] > a[1]
+
+
+def cell_draws(steps: pd.DataFrame, keys: list[str]) -> dict[tuple, np.ndarray]:
+    """Bootstrap draws of the headline step time of every cell in `steps` (timed rows)."""
+    out = {}
+    timed = steps[steps["phase"] == "timed"]
+    for key, g in timed.groupby(keys, sort=False):
+        repeats = [r["step_time_s"].to_numpy(float) for _, r in g.groupby("repeat")]
+        out[key if isinstance(key, tuple) else (key,)] = draws(repeats)
+    return out
+
+
+def step_statistics(steps: pd.DataFrame, keys: list[str]) -> pd.DataFrame:
+    """Per cell: the step-time interval, p50/p90/p95/IQR over all timed steps, the noise
+    flag, and the rank spread (the slowest rank over the fastest, median over steps:
+    above 1.1 a straggler or an unbalanced split)."""
+    timed = steps[steps["phase"] == "timed"]
+    rows = []
+    for key, g in timed.groupby(keys, sort=False):
+        t = g["step_time_s"].to_numpy(float)
+        lo, hi = interval(draws([r["step_time_s"].to_numpy(float) for _, r in g.groupby("repeat")]))
+        q25, q50, q75, q90, q95 = np.quantile(t, [0.25, 0.5, 0.75, 0.9, 0.95])
+        spread = (g["step_time_s"] / g["step_time_min_s"]).median()
+        rows.append(
+            {
+                **dict(zip(keys, key if isinstance(key, tuple) else (key,), strict=True)),
+                "step_time_ci_low_s": lo,
+                "step_time_ci_high_s": hi,
+                "step_time_p50_s": q50,
+                "step_time_p90_s": q90,
+                "step_time_p95_s": q95,
+                "step_time_iqr_s": q75 - q25,
+                "noisy": bool((q75 - q25) / q50 > NOISY),
+                "rank_spread": spread,
+            }
+        )
+    return pd.DataFrame(rows)
+
+
+def speedup_intervals(
+    summary: pd.DataFrame, steps: pd.DataFrame, variant_keys: list[str]
+) -> pd.DataFrame:
+    """speedup_ci_low/high and efficiency_ci_low/high of every row with a `single` at
+    one device to compare with: the interval of T_single / T_cell x (B_cell / B_single),
+    which is the throughput ratio under both strong and weak scaling."""
+    keys = [*variant_keys, "strategy", "devices"]
+    boot = cell_draws(steps, keys)
+    out = pd.DataFrame(
+        np.nan,
+        index=summary.index,
+        columns=["speedup_ci_low", "speedup_ci_high", "efficiency_ci_low", "efficiency_ci_high"],
+    )
+    for i, row in summary.iterrows():
+        key = tuple(row[k] for k in keys)
+        base_key = (*(row[k] for k in variant_keys), "single", 1)
+        if key not in boot or base_key not in boot:
+            continue
+        base = summary[
+            (summary["strategy"] == "single")
+            & (summary["devices"] == 1)
+            & np.logical_and.reduce([summary[k] == row[k] for k in variant_keys])
+        ]
+        batch_ratio = row["global_batch"] / base["global_batch"].iloc[0]
+        lo, hi = interval(boot[base_key] / boot[key] * batch_ratio)
+        out.loc[i] = [lo, hi, lo / row["devices"], hi / row["devices"]]
+    return out
