@@ -33,14 +33,16 @@ def test_headline_figures_equal_the_summary(report):
     s = summary.set_index(["strategy", "devices"])
     # The fastest non-emulated strategy at each device count, with its speedup.
     m2 = re.search(
-        r"At 2 devices, the fastest was ([^:]+): ([0-9.]+)× the throughput "
-        r"of one device \(([0-9]+)% scaling efficiency\)",
+        r"At 2 devices, the fastest was ([^:]+): ([0-9.]+)× \(95% CI ([0-9.]+)–([0-9.]+)\) "
+        r"the throughput of one device \(([0-9]+)% scaling efficiency\)",
         html,
     )
     assert m2, "headline for 2 devices"
     assert m2.group(1) == LABELS["ddp"]
     assert m2.group(2) == f"{s.loc[('ddp', 2), 'speedup']:.2f}"
-    assert int(m2.group(3)) == round(100 * s.loc[("ddp", 2), "efficiency"])
+    assert m2.group(3) == f"{s.loc[('ddp', 2), 'speedup_ci_low']:.2f}"
+    assert m2.group(4) == f"{s.loc[('ddp', 2), 'speedup_ci_high']:.2f}"
+    assert int(m2.group(5)) == round(100 * s.loc[("ddp", 2), "efficiency"])
     assert "Not ranked: model parallel (stages emulated on one device)" in html
     m4 = re.search(r"At 4 devices, the fastest was DDP: ([0-9.]+)×", html)
     assert m4 and m4.group(1) == f"{s.loc[('ddp', 4), 'speedup']:.2f}"

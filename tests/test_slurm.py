@@ -46,9 +46,6 @@ OVERLAY = [
 ]
 
 
-GROUPS = ["--groups", "benchmark=cells", "--group-components", "cells=3"]
-
-
 @pytest.fixture(scope="module")
 def sweep(tmp_path_factory):
     for tool in ("slurmctld", "slurmd", "munged", "sbatch"):
@@ -56,34 +53,23 @@ def sweep(tmp_path_factory):
     if os.geteuid() != 0:
         pytest.skip("starting slurmctld/slurmd needs root")
     work = tmp_path_factory.mktemp("slurm-work")
-    grouped = tmp_path_factory.mktemp("slurm-grouped")
     with local_slurm(tmp_path_factory.mktemp("slurm")) as cluster:
         proc = snakemake(work, "--profile", str(REPO / "profiles/slurm"), *OVERLAY, config=CONFIG)
-        # The profile's documented packing option: the three cells in one sbatch job.
-        packed = snakemake(
-            grouped,
-            "--profile",
-            str(REPO / "profiles/slurm"),
-            *OVERLAY,
-            *GROUPS,
-            config=CONFIG,
-        )
         log = "\n".join(p.read_text()[-2000:] for p in cluster["logs"] if p.exists())
         # Slurm's own record of the jobs (kept MinJobAge after they end).
         jobs = subprocess.run(
             ["scontrol", "-o", "show", "job"], capture_output=True, text=True, check=True
         ).stdout
     assert proc.returncode == 0, f"{proc.stderr[-4000:]}\n--- slurm logs ---\n{log}"
-    assert packed.returncode == 0, f"{packed.stderr[-4000:]}\n--- slurm logs ---\n{log}"
     slurm = {}
     for line in jobs.splitlines():
         fields = dict(f.split("=", 1) for f in line.split() if "=" in f)
         slurm[fields["JobId"]] = fields
-    return work, slurm, grouped
+    return work, slurm
 
 
 def test_every_cell_ran_as_its_own_slurm_job(sweep):
-    work, slurm, _ = sweep
+    work, slurm = sweep
     cells = pd.read_csv(work / "results/cells.csv", dtype=str, keep_default_na=False)
     assert len(cells) == 3
     assert (cells["status"] == "ok").all(), cells[["strategy", "devices", "reason"]]
@@ -95,8 +81,8 @@ def test_every_cell_ran_as_its_own_slurm_job(sweep):
         assert job["JobState"] == "COMPLETED", job
         # --gpus=N is recorded per job as TresPerJob=gres:gpu:N
         assert job.get("TresPerJob") == f"gres:gpu:{c['devices']}", job
-        # a readable comment: the cell, as squeue and sacct show it
-        cell = f"parabench/tiny/fp32-sgd/{c['strategy']}/n{c['devices']}/r0"
+        # a readable comment (the plugin's): the cell, as squeue and sacct show it
+        cell = f"rule_benchmark_wildcards_tiny_fp32-sgd_{c['strategy']}_{c['devices']}_0"
         assert job.get("Comment") == cell, job
     logs = work / "logs/slurm"
     assert len(list((logs / "rule_benchmark").rglob("*.log"))) == 3, "the plugin's job logs"
@@ -104,17 +90,8 @@ def test_every_cell_ran_as_its_own_slurm_job(sweep):
     assert len(list((logs / "rule_collectives").rglob("*.log"))) == 1
 
 
-def test_grouped_cells_share_one_allocation(sweep):
-    _, slurm, grouped = sweep
-    cells = pd.read_csv(grouped / "results/cells.csv", dtype=str, keep_default_na=False)
-    assert (cells["status"] == "ok").all(), cells[["strategy", "devices", "reason"]]
-    ids = set(cells["slurm_job_id"])
-    assert len(ids) == 1 and "" not in ids, "three cells, one sbatch job"
-    assert slurm[ids.pop()]["JobState"] == "COMPLETED"
-
-
 def test_each_job_got_the_gpus_it_asked_for(sweep):
-    work, _, _ = sweep
+    work, _ = sweep
     cells = pd.read_csv(work / "results/cells.csv", dtype=str, keep_default_na=False)
     for _, c in cells.iterrows():
         n = int(c["devices"])
@@ -123,7 +100,7 @@ def test_each_job_got_the_gpus_it_asked_for(sweep):
 
 
 def test_report_shows_the_slurm_jobs(sweep):
-    work, _, _ = sweep
+    work, _ = sweep
     cells = pd.read_csv(work / "results/cells.csv", dtype=str, keep_default_na=False)
     html = (work / "results/report.html").read_text()
     env_section = html.split('id="reproduce"')[1]

@@ -19,7 +19,6 @@ rule benchmark:
     resources:
         gpu=gpus,
         runtime=lambda wc: int(config["cell_timeout_s"] // 60) + 5,
-        slurm_extra=slurm_comment,
     params:
         launch=guarded_launch,
     shell:
@@ -41,7 +40,6 @@ rule collectives:
     resources:
         gpu=lambda wc: 0 if config["device"] == "cpu" else int(wc.devices),
         runtime=lambda wc: int(config["cell_timeout_s"] // 60) + 5,
-        slurm_extra=lambda wc: f"--comment=parabench/collectives/n{wc.devices}",
     params:
         launch=collectives_launch,
     shell:

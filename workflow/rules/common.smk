@@ -94,7 +94,3 @@ def collectives_launch(wc, output):
         )
     )
 
-
-def slurm_comment(wc):
-    """What `squeue -o %k` and sacct show for a cell's job: the cell, readable."""
-    return f"--comment=parabench/{wc.model}/{wc.variant}/{wc.strategy}/n{wc.devices}/r{wc.repeat}"

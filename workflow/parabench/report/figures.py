@@ -81,7 +81,8 @@ def plots(r: Results) -> dict[str, str]:
                     ax.errorbar(
                         g["devices"],
                         g[y],
-                        yerr=[g[y] - g[lo], g[hi] - g[y]],
+                        # a percentile interval may sit off the point estimate
+                        yerr=[(g[y] - g[lo]).clip(lower=0), (g[hi] - g[y]).clip(lower=0)],
                         fmt="none",
                         ecolor=palette.get(strategy, "k"),
                         capsize=3,
