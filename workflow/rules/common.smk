@@ -93,4 +93,3 @@ def collectives_launch(wc, output):
             Path(output.meta).parent,
         )
     )
-
