@@ -161,6 +161,10 @@ def test_every_numeric_key_is_found():
 @example(("timeout_s",), float("inf"))
 @example(("seed",), 2**63)
 @example(("devices", "[]"), 10**6)
+# Found by this test: JSON Schema counts 1.0 as an integer, and planning then crashed
+# (range(1.0)) or a cell's launch lost its device count.
+@example(("repeats",), 1.0)
+@example(("models", "m", "devices", "[]"), 1.0)
 def test_every_number_yaml_can_hold_is_meant_or_refused_naming_its_key(path, value):
     key = ".".join(k for k in path if k != "[]")
     config = put(BASE, path, value)

@@ -55,6 +55,23 @@ def cell_path(s: RunSpec) -> str:
     return f"runs/{s.model_name}/{s.variant}/{s.strategy}/n{s.devices}/r{s.repeat}"
 
 
+def as_integers(data, schema: dict):
+    """`data` with every integral float where the schema says integer made an int.
+    JSON Schema counts 4.0 as an integer, so YAML's `repeats: 4.0` passes validation;
+    everything downstream (range(), argv round trips, paths) needs the int."""
+    kinds = schema.get("type")
+    kinds = kinds if isinstance(kinds, list) else [kinds]
+    if "integer" in kinds and isinstance(data, float) and data.is_integer():
+        return int(data)
+    if isinstance(data, dict):
+        props, extra = schema.get("properties", {}), schema.get("additionalProperties")
+        default = extra if isinstance(extra, dict) else {}
+        return {k: as_integers(v, props.get(k, default)) for k, v in data.items()}
+    if isinstance(data, list) and isinstance(schema.get("items"), dict):
+        return [as_integers(v, schema["items"]) for v in data]
+    return data
+
+
 def axis(config: dict, key: str) -> list:
     """The levels of one axis (defaults: fp32, sgd, no compile)."""
     value = config.get(key, RunSpec.__dataclass_fields__[key].default)

@@ -19,7 +19,13 @@ from pathlib import Path
 import yaml
 
 from parabench import records
-from parabench.config import cells, collective_devices, collective_sizes, problems
+from parabench.config import (
+    as_integers,
+    cells,
+    collective_devices,
+    collective_sizes,
+    problems,
+)
 from parabench.launch import collectives_argv, guarded_argv
 
 SCHEMA = Path(__file__).resolve().parents[1] / "schemas" / "config.schema.yaml"
@@ -42,7 +48,7 @@ def with_defaults(schema: dict, data: dict) -> dict:
 
 
 @functools.cache
-def _schema() -> dict:
+def load_schema() -> dict:
     return yaml.safe_load(SCHEMA.read_text())
 
 
@@ -54,7 +60,7 @@ def load_config(path: Path) -> dict:
 def checked(data: dict) -> dict:
     """`data` checked against the schema (where jsonschema is installed: it comes with
     Snakemake), with the schema's defaults filled in; ConfigError names the key."""
-    schema = _schema()
+    schema = load_schema()
     try:
         import jsonschema
     except ImportError:  # e.g. a GPU image without Snakemake; problems() still runs
@@ -64,7 +70,7 @@ def checked(data: dict) -> dict:
         if error := jsonschema.exceptions.best_match(validator.iter_errors(data)):
             where = ".".join(map(str, error.absolute_path)) or "(top level)"
             raise ConfigError(f"{where}: {error.message}")
-    return with_defaults(schema, copy.deepcopy(data))
+    return as_integers(with_defaults(schema, copy.deepcopy(data)), schema)
 
 
 def visible_gpus() -> list[int]:

@@ -7,12 +7,22 @@ from snakemake.exceptions import WorkflowError
 
 from parabench.catalog import OPTIMIZERS, PRECISIONS, STRATEGIES, multi_rank
 from parabench.cli import spec_argv
-from parabench.config import cells, collective_devices, collective_sizes, problems
+from parabench.config import (
+    as_integers,
+    cells,
+    collective_devices,
+    collective_sizes,
+    problems,
+)
 from parabench.launch import guarded_argv, guarded_collectives_argv
+from parabench.sweep import load_schema
 
 RESULTS = config["results"]
 # The repository (where report/ lives), whatever the working directory is.
 REPO = Path(workflow.basedir)
+
+# YAML's 4.0 passes the schema's "integer": make such values the ints they mean.
+config.update(as_integers(dict(config), load_schema()))
 
 # Rules the schema cannot express: one message per broken rule, naming the key, before
 # any job starts.
