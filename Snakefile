@@ -12,6 +12,15 @@ configfile: "config/config.yaml"
 validate(config, "workflow/schemas/config.schema.yaml")
 
 
+# Cells packed into one Slurm allocation (job groups, see profiles/slurm) must run one
+# after another, never side by side, or they would time each other. With
+# `--resources timed_cells=1` and this scope, each group job gets its own pool of one:
+# Snakemake stacks the group's cells in series and asks for the largest cell's GPUs and
+# the sum of their runtimes, while the sweep as a whole stays unlimited.
+resource_scopes:
+    timed_cells="local",
+
+
 include: "workflow/rules/common.smk"
 include: "workflow/rules/benchmark.smk"
 include: "workflow/rules/aggregate.smk"

@@ -3,10 +3,13 @@
 is an sbatch job that gets exactly the GPUs it asked for, and results and report follow.
 """
 
+import json
 import os
 import shutil
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
+from datetime import datetime
 from pathlib import Path
 
 import pandas as pd
@@ -46,26 +49,50 @@ OVERLAY = [
 ]
 
 
+# Job groups, as profiles/slurm documents them: the cells of one model, variant and
+# device count in one allocation. Two one-device cells, so no collectives job.
+GROUPED_CONFIG = {**CONFIG, "devices": [1]}
+GROUP = "{model}_{variant}_n{devices}"
+GROUPS = ["--groups", f"benchmark={GROUP}", "--group-components", f"{GROUP}=16"]
+
+
 @pytest.fixture(scope="module")
-def sweep(tmp_path_factory):
+def sweeps(tmp_path_factory):
     for tool in ("slurmctld", "slurmd", "munged", "sbatch"):
         require_tool(tool)
     if os.geteuid() != 0:
         pytest.skip("starting slurmctld/slurmd needs root")
     work = tmp_path_factory.mktemp("slurm-work")
+    grouped = tmp_path_factory.mktemp("slurm-grouped")
+    profile = ["--profile", str(REPO / "profiles/slurm"), *OVERLAY]
     with local_slurm(tmp_path_factory.mktemp("slurm")) as cluster:
-        proc = snakemake(work, "--profile", str(REPO / "profiles/slurm"), *OVERLAY, config=CONFIG)
+        # Both sweeps at once, as two users of one cluster: most of a sweep's wall time
+        # is waiting on Slurm's status checks, and they wait side by side.
+        with ThreadPoolExecutor(2) as pool:
+            cells = pool.submit(snakemake, work, *profile, config=CONFIG)
+            packed = pool.submit(snakemake, grouped, *profile, *GROUPS, config=GROUPED_CONFIG)
+            procs = {"cells": cells.result(), "grouped": packed.result()}
         log = "\n".join(p.read_text()[-2000:] for p in cluster["logs"] if p.exists())
         # Slurm's own record of the jobs (kept MinJobAge after they end).
         jobs = subprocess.run(
             ["scontrol", "-o", "show", "job"], capture_output=True, text=True, check=True
         ).stdout
-    assert proc.returncode == 0, f"{proc.stderr[-4000:]}\n--- slurm logs ---\n{log}"
     slurm = {}
     for line in jobs.splitlines():
         fields = dict(f.split("=", 1) for f in line.split() if "=" in f)
         slurm[fields["JobId"]] = fields
-    return work, slurm
+    return {"cells": work, "grouped": grouped, "slurm": slurm, "procs": procs, "log": log}
+
+
+def _ran(sweeps, which: str) -> Path:
+    proc = sweeps["procs"][which]
+    assert proc.returncode == 0, f"{proc.stderr[-4000:]}\n--- slurm logs ---\n{sweeps['log']}"
+    return sweeps[which]
+
+
+@pytest.fixture(scope="module")
+def sweep(sweeps):
+    return _ran(sweeps, "cells"), sweeps["slurm"]
 
 
 def test_every_cell_ran_as_its_own_slurm_job(sweep):
@@ -107,6 +134,30 @@ def test_report_shows_the_slurm_jobs(sweep):
     assert "Slurm job ids" in env_section
     for job in cells["slurm_job_id"]:
         assert job in env_section
+
+
+def test_grouped_cells_share_one_allocation_in_series(sweeps):
+    work = _ran(sweeps, "grouped")
+    cells = pd.read_csv(work / "results/cells.csv", dtype=str, keep_default_na=False)
+    assert len(cells) == 2 and (cells["status"] == "ok").all(), cells
+    assert cells["slurm_job_id"].nunique() == 1 and cells["slurm_job_id"].iloc[0] != ""
+    job = sweeps["slurm"][cells["slurm_job_id"].iloc[0]]
+    assert job["JobState"] == "COMPLETED", job
+    # the largest cell's GPUs, not their sum: the cells ran one after another ...
+    assert job.get("TresPerJob") == "gres:gpu:1", job
+    # ... so the allocation lasts the sum of their runtimes (10 min each)
+    assert job["TimeLimit"] == "00:20:00", job
+    assert job["Comment"] == "rule_tiny_fp32-sgd_n1_benchmark", job  # readable in squeue
+    starts, ends = [], []
+    for d in cells["dir"]:  # (Snakemake touches a group's outputs: mtimes tell nothing)
+        meta = json.loads((work / d / "meta.json").read_text())
+        starts.append(datetime.fromisoformat(meta["env"]["start_time"]).timestamp())
+        ends.append(starts[-1] + meta["wall_s"])
+    first, second = sorted(range(2), key=starts.__getitem__)
+    # start_time has whole seconds: the second cell began after the first had ended
+    assert ends[first] <= starts[second] + 1, (starts, ends)
+    logs = work / "logs/slurm"
+    assert len(list((logs / "group_tiny_fp32-sgd_n1_benchmark").rglob("*.log"))) == 1
 
 
 SLURM_COMMANDS = {

@@ -19,6 +19,8 @@ rule benchmark:
     resources:
         gpu=gpus,
         runtime=lambda wc: int(config["cell_timeout_s"] // 60) + 5,
+        # One timed cell at a time per allocation (see resource_scopes in the Snakefile).
+        timed_cells=1,
     params:
         launch=guarded_launch,
     shell:
