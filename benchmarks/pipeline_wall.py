@@ -3,9 +3,9 @@
 Runs `snakemake --cores 1` on config/config.yaml in a fresh temporary directory, exactly
 as `make run` does, and prints the wall time and where it went:
 - measured training: the sum of every recorded step (warm-up included) of every cell;
-- launch and import: the jobs' wall time (Snakemake's per-job benchmark files) minus the
-  training inside them: interpreter start, `import torch`, torchrun's agent and
-  rendezvous, model build, the GEMM peak, writing records;
+- launch and import: the launches' wall time (the last line `parabench guard` writes
+  to each cell's log) minus the training inside them: interpreter start, `import
+  torch`, torchrun's agent and rendezvous, model build, the GEMM peak, writing records;
 - Snakemake: everything else (DAG, scheduling, aggregate and report jobs).
 Goal: <= 180 s wall on a 2-core machine.
 """
@@ -13,6 +13,7 @@ Goal: <= 180 s wall on a 2-core machine.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -22,6 +23,7 @@ from pathlib import Path
 import pandas as pd
 
 REPO = Path(__file__).resolve().parents[1]
+LAUNCH = re.compile(r"parabench guard: launch took ([0-9.]+) s")
 
 
 def main() -> None:
@@ -53,10 +55,12 @@ def main() -> None:
         wall = time.perf_counter() - t0
         steps = pd.read_csv(work / "results/steps.csv")
         summary = pd.read_csv(work / "results/summary.csv")
-        job_walls = sum(
-            pd.read_csv(p, sep="\t")["s"].sum() for p in (work / "logs/runs").rglob("*.bench.tsv")
-        )
-        jobs = len(list((work / "logs/runs").rglob("*.bench.tsv")))
+        launches = [
+            float(m.group(1))
+            for log in (work / "results/logs/runs").rglob("*.log")
+            if (m := LAUNCH.search(log.read_text(errors="replace")))
+        ]
+        job_walls, jobs = sum(launches), len(launches)
 
     training = steps["step_time_s"].sum()
     launch = job_walls - training

@@ -136,6 +136,7 @@ def guard(out: Path, cmd: list[str], timeout_s: float, fields: dict) -> int:
     rc = proc.wait()
     sys.stdout.flush()
     elapsed = time.monotonic() - started
+    print(f"parabench guard: launch took {elapsed:.2f} s, {_describe_exit(rc)}", file=sys.stderr)
 
     if interrupted:
         print(

@@ -1,6 +1,9 @@
 # One job per cell: (model, strategy, devices, repeat). Repeats are separate launches so
 # launch-to-launch variance shows. `parabench guard` records a failure if the launch
-# leaves no record (crash, kill, timeout), so one bad cell never stops the sweep.
+# leaves no record (crash, kill, timeout), so one bad cell never stops the sweep, and
+# ends the cell's log with the launch's wall time. No `benchmark:` directive: it samples
+# the job's processes (psutil, /proc/<pid>/smaps) twice a second for its first 30 s,
+# which is while the steps are timed, and took the cores from the ranks it measured.
 
 
 rule benchmark:
@@ -9,8 +12,6 @@ rule benchmark:
         steps=f"{RESULTS}/{CELL_DIR}/steps.csv",
     log:
         f"{RESULTS}/logs/{CELL_DIR}.log",
-    benchmark:
-        f"{RESULTS}/logs/{CELL_DIR}.bench.tsv"
     wildcard_constraints:
         **WILDCARDS,
     conda:
@@ -63,8 +64,6 @@ rule benchmark_multinode:
         steps=f"{RESULTS}/{CELL_DIR}/steps.csv",
     log:
         f"{RESULTS}/logs/{CELL_DIR}.log",
-    benchmark:
-        f"{RESULTS}/logs/{CELL_DIR}.bench.tsv"
     wildcard_constraints:
         **{**WILDCARDS, "strategy": MULTINODE_STRATEGIES_RE, "devices": MULTINODE_DEVICES_RE},
     conda:
