@@ -6,7 +6,8 @@ Prints, from one torchrun job of n ranks on this machine:
   goal within 5%;
 - a DDP step under the profiler as parabench runs it for the anatomy (CPU activity, no
   shapes or memory) over the same step unprofiled: what profiling costs, and why it
-  stays out of the timed steps.
+  stays out of the timed steps; beside it, what the anatomy estimates the profiler
+  costs (events recorded per step × `profiling.event_cost`), the share it takes out.
 Rounds alternate the two sides so drift on a shared machine hits both alike.
 
 Usage: python benchmarks/collectives_overhead.py [--devices 2] [--device cpu|cuda]
@@ -31,6 +32,7 @@ from parabench.collectives import time_op
 from parabench.data import SyntheticBatches
 from parabench.loop import synchronizer
 from parabench.models import build
+from parabench.profiling import event_cost
 from parabench.spec import ModelSpec, RunSpec
 
 SIZE = 16 * 2**20
@@ -53,8 +55,9 @@ def bare_all_reduce(device: torch.device, iters: int) -> float:
     return took.item()
 
 
-def ddp_steps(ctx, spec: RunSpec, steps: int, profiled: bool) -> float:
-    """Median DDP step, plain or under the anatomy's profiler settings."""
+def ddp_steps(ctx, spec: RunSpec, steps: int, profiled: bool) -> tuple[float, float]:
+    """Median DDP step, plain or under the anatomy's profiler settings, and the events
+    the profiler recorded per step (0 unprofiled)."""
     model = build(spec.model, spec.seed)
     strategy = strategies.build(model, spec, ctx)
     batches = SyntheticBatches(model, spec.global_batch, 0, strategy.shard, strategy.data_device)
@@ -65,7 +68,7 @@ def ddp_steps(ctx, spec: RunSpec, steps: int, profiled: bool) -> float:
     activities = [ProfilerActivity.CPU] + (
         [ProfilerActivity.CUDA] if ctx.device.type == "cuda" else []
     )
-    with profile(activities=activities) if profiled else _nothing():
+    with profile(activities=activities) if profiled else _nothing() as prof:
         for s in range(steps):
             x, y = batches.batch(s)
             sync()
@@ -76,7 +79,8 @@ def ddp_steps(ctx, spec: RunSpec, steps: int, profiled: bool) -> float:
             times.append(time.perf_counter() - t0)
     slowest = torch.tensor([statistics.median(times)], dtype=torch.float64)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-    return slowest.item()
+    events = len(prof.events()) / steps if profiled else 0.0
+    return slowest.item(), events
 
 
 class _nothing:
@@ -100,10 +104,16 @@ def worker(args: argparse.Namespace) -> None:
         t, iters = time_op("all_reduce", SIZE, ctx.device, min_time_s=0.2)
         ours.append(t)
         bare.append(bare_all_reduce(ctx.device, iters))
-    plain, prof = [], []
+    plain, prof, events = [], [], []
     for _ in range(args.rounds):
-        plain.append(ddp_steps(ctx, spec, args.steps, profiled=False))
-        prof.append(ddp_steps(ctx, spec, args.steps, profiled=True))
+        plain.append(ddp_steps(ctx, spec, args.steps, profiled=False)[0])
+        t, n = ddp_steps(ctx, spec, args.steps, profiled=True)
+        prof.append(t)
+        events.append(n)
+    activities = [ProfilerActivity.CPU] + (
+        [ProfilerActivity.CUDA] if ctx.device.type == "cuda" else []
+    )
+    cost = event_cost(activities)
     if ctx.is_main:
         o, b = statistics.median(ours), statistics.median(bare)
         print(f"all_reduce 16 MiB  parabench collectives  {o * 1e3:8.3f} ms")
@@ -114,6 +124,11 @@ def worker(args: argparse.Namespace) -> None:
         print(f"DDP step under the anatomy's profiler     {p * 1e3:8.3f} ms")
         print(
             f"what profiling costs                      {p / u - 1:+8.1%}   (never in timed steps)"
+        )
+        n = statistics.median(events)
+        print(
+            f"anatomy's estimate: {n:.0f} events x {cost * 1e6:.2f} us  "
+            f"{n * cost / u:+8.1%}   (profiler_s, taken out of the parts)"
         )
     dist.barrier()
     runtime.stop(ctx)

@@ -120,6 +120,40 @@ def test_attribution_on_a_synthetic_trace():
     assert a["bubble_s"] == 0
 
 
+def test_the_profilers_cost_comes_out_of_the_gaps_and_the_outer_ops():
+    """A 100 µs step: linear 0-40 holding addmm 5-35 (inner), relu 50-60 (outer), so
+    compute 50, other 50. At 2 µs an event: 2 outer events' cost (4) leaves the gaps,
+    the inner one's (2) leaves compute; the parts still sum to the step less it."""
+    events = [
+        ev(anatomy.STEP_MARK, 0, 100, cat="user_annotation"),
+        ev("aten::linear", 0, 40),
+        ev("aten::addmm", 5, 30),
+        ev("aten::relu", 50, 10),
+    ]
+    (bare,) = anatomy.anatomy(events)
+    assert bare["profiler_s"] == 0 and bare["step_s"] == pytest.approx(100e-6)
+    (a,) = anatomy.anatomy(events, event_cost_s=2e-6)
+    assert a["profiler_s"] == pytest.approx(6e-6)
+    assert a["other_s"] == pytest.approx(46e-6)
+    assert a["compute_s"] == pytest.approx(48e-6)
+    assert a["step_s"] == pytest.approx(94e-6) == pytest.approx(sum(a[k] for k in anatomy.PARTS))
+    # a cost larger than the gaps hold takes only what is there
+    (big,) = anatomy.anatomy(events, event_cost_s=40e-6)
+    assert big["other_s"] == 0 and big["compute_s"] == pytest.approx(10e-6)
+    assert big["step_s"] == pytest.approx(10e-6)
+
+
+def test_the_profilers_cost_per_event_is_measured_not_assumed():
+    from torch.profiler import ProfilerActivity
+
+    from parabench.profiling import event_cost
+
+    cost = event_cost([ProfilerActivity.CPU])
+    # kineto's CPU events cost on the order of a microsecond each: neither nothing nor
+    # a millisecond (a bare/profiled mix-up or a broken loop would show here)
+    assert 1e-8 < cost < 1e-4, cost
+
+
 def test_a_stage_waiting_to_receive_is_bubble_only_in_a_pipeline():
     events = [
         ev(anatomy.STEP_MARK, 0, 100, cat="user_annotation"),

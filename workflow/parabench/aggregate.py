@@ -85,8 +85,9 @@ SUMMARY_COLUMNS: dict[str, str] = {
     "bubble_s": "a pipeline stage idle, waiting to receive from a neighbour",
     "data_s": "batch fetch (DataLoader mode) and host-to-device copies",
     "other_s": "the rest of the profiled step: Python, launch overhead",
-    "profiled_step_s": "the critical profiled step (the parts' sum)",
-    "anatomy_closure": "profiled_step_s / step_time_s: 1 when profiling did not distort",
+    "profiler_s": "the profiler's own cost in the profiled step, taken out of the parts",
+    "profiled_step_s": "the parts' sum: the critical profiled step less profiler_s",
+    "anatomy_closure": "profiled_step_s / step_time_s: 1 when the parts explain the step",
     "comm_bytes_per_step": "bytes handed to collectives and send/recv per step, busiest rank",
     "collectives_per_step": "collectives and send/recv issued per step, busiest rank",
     "comm_by_op": "per op: collectives and bytes per step (JSON), busiest rank",
@@ -138,7 +139,7 @@ def _env_columns(meta: dict) -> dict:
     }
 
 
-ANATOMY = ("compute_s", "comm_s", "comm_exposed_s", "bubble_s", "data_s", "other_s")
+ANATOMY = ("compute_s", "comm_s", "comm_exposed_s", "bubble_s", "data_s", "other_s", "profiler_s")
 
 
 def _anatomy_columns(meta: dict) -> dict:
@@ -148,7 +149,8 @@ def _anatomy_columns(meta: dict) -> dict:
     out: dict = {k: np.nan for k in (*ANATOMY, "profiled_step_s")}
     if per_rank:
         crit = anatomy.critical(per_rank)
-        out.update({k: crit[k] for k in ANATOMY}, profiled_step_s=crit["step_s"])
+        # (records from before the profiler's cost was measured have none: 0)
+        out.update({k: crit.get(k, 0.0) for k in ANATOMY}, profiled_step_s=crit["step_s"])
     comm = meta.get("comm_per_rank") or []
     loads = [
         (sum(v["bytes"] for v in c.values()), sum(v["count"] for v in c.values()), c) for c in comm

@@ -18,6 +18,14 @@ earlier part took, so the parts never overlap and sum to the profiled step:
   on any thread or stream, while the critical timeline did nothing else);
 - other: the rest (Python, launch overhead, waits on nothing we can name).
 
+The profiler's own cost is not the step's: each event it records costs the thread that
+runs the op a few microseconds (`event_cost_s`, measured in the same process, see
+profiling.event_cost). `profiler_s` = events on the critical thread × that cost, taken
+out of the parts where it lands: for an op inside another op, within the outer op's
+span (compute); for the others, in the gaps between ops (other). On GPU the host's
+events only stretch the streams' idle gaps (other). The parts then sum to the profiled
+step less `profiler_s`: what the step takes when nobody watches.
+
 comm is every collective's and send/recv's own time (union over threads or streams),
 hidden or not. Communication volume is counted from the c10d ops the trace records,
 with their tensor shapes: one per collective issued.
@@ -120,8 +128,11 @@ def step_windows(events: list[dict]) -> tuple[list[Interval], object]:
     return [_span(e) for e in steps], (steps[0]["tid"] if steps else None)
 
 
-def anatomy(events: list[dict], cuts_model: bool = False) -> list[dict[str, float]]:
-    """Seconds of each part of each profiled step, plus `step_s` and `comm_s`."""
+def anatomy(
+    events: list[dict], cuts_model: bool = False, event_cost_s: float = 0.0
+) -> list[dict[str, float]]:
+    """Seconds of each part of each profiled step, plus `step_s` (their sum: the
+    profiled step less `profiler_s`, the profiler's share of it) and `comm_s`."""
     windows, main = step_windows(events)
     if not windows:
         return []
@@ -158,8 +169,36 @@ def anatomy(events: list[dict], cuts_model: bool = False) -> list[dict[str, floa
         }
         parts["other_s"] = max(0.0, (hi - lo) - sum(parts[k] for k in PARTS if k != "other_s"))
         parts["step_s"] = hi - lo
+        outer, inner = recorded(spans, main, lo, hi)
+        cost = event_cost_s * 1e6  # µs, as the trace
+        gaps = min(parts["other_s"], cost * (outer + (inner if on_gpu else 0)))
+        within = 0.0 if on_gpu else min(parts["compute_s"], cost * inner)
+        parts["other_s"] -= gaps
+        parts["compute_s"] -= within
+        parts["profiler_s"] = gaps + within
+        parts["step_s"] -= gaps + within  # the parts' sum: the step, unwatched
         per_step.append({k: v / 1e6 for k, v in parts.items()})  # trace times are µs
     return per_step
+
+
+def recorded(spans: list[dict], main, lo: float, hi: float) -> tuple[int, int]:
+    """Events the profiler recorded on the main thread within [lo, hi], other than the
+    step mark: those not inside another (outer) and those inside one (inner)."""
+    mine = sorted(
+        (_span(e) for e in spans if e.get("tid") == main and e["name"] != STEP_MARK),
+        key=lambda s: (s[0], -s[1]),
+    )
+    outer = inner = 0
+    end = float("-inf")
+    for a, b in mine:
+        if not lo <= a <= hi:
+            continue
+        if a < end:
+            inner += 1
+        else:
+            outer += 1
+            end = b
+    return outer, inner
 
 
 def critical(per_rank: list[list[dict]]) -> dict:

@@ -186,7 +186,9 @@ def _run(spec: RunSpec, ctx: runtime.Context, out: Path, common: dict, t_start: 
             "peak_flops": peak_device * len(physical),
             "held_bytes": held,
             "trace": profiled.trace,
-            "anatomy": anatomy.anatomy(profiled.events, spec.record.cuts_model),
+            "anatomy": anatomy.anatomy(
+                profiled.events, spec.record.cuts_model, profiled.event_cost_s
+            ),
             "comm": anatomy.volume(profiled.counted, list_bytes),
         },
         ctx,

@@ -19,7 +19,9 @@ import gzip
 import json
 import os
 import shutil
+import statistics
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,6 +40,7 @@ class Profiled:
     events: list[dict]  # its Chrome trace events
     cpu_alloc_peak: int  # peak of bytes allocated on the CPU within a profiled step
     counted: list[dict]  # events of the step profiled with memory and tensor shapes
+    event_cost_s: float  # what the profiler adds to the step per event it records
 
 
 def _run(strategy: Strategy, batches, steps: range, sync, timed_fetch: bool) -> None:
@@ -91,7 +94,38 @@ def profile_steps(
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True) as m:
         _run(strategy, batches, range(last, last + 1), sync, timed_fetch)
     counted = _exported(m)
-    return Profiled(name, events, cpu_alloc_peak(counted), counted)
+    return Profiled(name, events, cpu_alloc_peak(counted), counted, event_cost(activities))
+
+
+def event_cost(activities: list, steps: int = 50, rounds: int = 5) -> float:
+    """Seconds the profiler adds to the thread that runs an op, per event it records,
+    measured in this process as it runs now (under the same contention as its steps):
+    a tiny training step (matmul, relu, backward, update: the kinds of events a real
+    step records, autograd's included) timed bare and under the anatomy's profiler
+    settings; per round the extra time over the events recorded, the median of
+    `rounds`. The anatomy takes events x this out of each profiled step. (Per event,
+    not per call: `x.add_(1)` alone records five.)"""
+    w = torch.randn(8, 8, requires_grad=True)
+    x = torch.randn(4, 8)
+
+    def loop() -> float:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            (x @ w).relu().sum().backward()
+            with torch.no_grad():
+                w.sub_(w.grad, alpha=0.01)
+            w.grad = None
+        return time.perf_counter() - t0
+
+    loop()  # first calls warm the dispatcher and autograd, not the profiler
+    extra, events = [], 0
+    for _ in range(rounds):
+        bare = loop()
+        with profile(activities=activities) as prof:
+            watched = loop()
+        extra.append(watched - bare)
+        events = events or len(prof.events())  # the same each round; counting is slow
+    return max(0.0, statistics.median(extra) / max(1, events))
 
 
 def _exported(prof) -> list[dict]:
