@@ -16,14 +16,13 @@ Usage: python benchmarks/collectives_overhead.py [--devices 2] [--device cpu|cud
 from __future__ import annotations
 
 import argparse
-import os
+import contextlib
 import statistics
-import subprocess
-import sys
 import time
 
 import torch
 import torch.distributed as dist
+from _torchrun import run_as_ranks
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from parabench import runtime, strategies
@@ -68,7 +67,7 @@ def ddp_steps(ctx, spec: RunSpec, steps: int, profiled: bool) -> tuple[float, fl
     activities = [ProfilerActivity.CPU] + (
         [ProfilerActivity.CUDA] if ctx.device.type == "cuda" else []
     )
-    with profile(activities=activities) if profiled else _nothing() as prof:
+    with profile(activities=activities) if profiled else contextlib.nullcontext() as prof:
         for s in range(steps):
             x, y = batches.batch(s)
             sync()
@@ -81,14 +80,6 @@ def ddp_steps(ctx, spec: RunSpec, steps: int, profiled: bool) -> tuple[float, fl
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
     events = len(prof.events()) / steps if profiled else 0.0
     return slowest.item(), events
-
-
-class _nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -141,11 +132,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=15)
     p.add_argument("--rounds", type=int, default=5)
     args = p.parse_args()
-    if "LOCAL_RANK" not in os.environ:  # start the ranks ourselves
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-        cmd += ["--nproc-per-node", str(args.devices), __file__, *sys.argv[1:]]
-        sys.exit(subprocess.call(cmd))
-    worker(args)
+    run_as_ranks(__file__, args.devices, lambda: worker(args))
 
 
 if __name__ == "__main__":

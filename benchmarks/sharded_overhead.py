@@ -15,14 +15,12 @@ Usage: python benchmarks/sharded_overhead.py [--devices 2] [--device cpu|cuda]
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import subprocess
-import sys
 import time
 
 import torch
 import torch.distributed as dist
+from _torchrun import run_as_ranks
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
@@ -117,11 +115,7 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--rounds", type=int, default=5)
     args = p.parse_args()
-    if "LOCAL_RANK" not in os.environ:  # start the ranks ourselves
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-        cmd += ["--nproc-per-node", str(args.devices), __file__, *sys.argv[1:]]
-        sys.exit(subprocess.call(cmd))
-    worker(args)
+    run_as_ranks(__file__, args.devices, lambda: worker(args))
 
 
 if __name__ == "__main__":

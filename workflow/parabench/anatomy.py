@@ -158,6 +158,11 @@ def anatomy(
     bubble = subtract(union(recv), taken) if cuts_model else []
     taken = union(taken + bubble)
     exposed = subtract(comm, taken)
+    # the main thread's recorded events, outermost first where two start together
+    recorded_main = sorted(
+        (_span(e) for e in spans if e.get("tid") == main and e["name"] != STEP_MARK),
+        key=lambda s: (s[0], -s[1]),
+    )
     per_step = []
     for lo, hi in windows:
         parts = {
@@ -169,7 +174,7 @@ def anatomy(
         }
         parts["other_s"] = max(0.0, (hi - lo) - sum(parts[k] for k in PARTS if k != "other_s"))
         parts["step_s"] = hi - lo
-        outer, inner = recorded(spans, main, lo, hi)
+        outer, inner = nesting(recorded_main, lo, hi)
         cost = event_cost_s * 1e6  # µs, as the trace
         gaps = min(parts["other_s"], cost * (outer + (inner if on_gpu else 0)))
         within = 0.0 if on_gpu else min(parts["compute_s"], cost * inner)
@@ -181,16 +186,12 @@ def anatomy(
     return per_step
 
 
-def recorded(spans: list[dict], main, lo: float, hi: float) -> tuple[int, int]:
-    """Events the profiler recorded on the main thread within [lo, hi], other than the
-    step mark: those not inside another (outer) and those inside one (inner)."""
-    mine = sorted(
-        (_span(e) for e in spans if e.get("tid") == main and e["name"] != STEP_MARK),
-        key=lambda s: (s[0], -s[1]),
-    )
+def nesting(events: list[Interval], lo: float, hi: float) -> tuple[int, int]:
+    """Of the events (sorted by start, outermost first) starting within [lo, hi]: those
+    not inside another (outer) and those inside one (inner)."""
     outer = inner = 0
     end = float("-inf")
-    for a, b in mine:
+    for a, b in events:
         if not lo <= a <= hi:
             continue
         if a < end:

@@ -45,6 +45,12 @@ class StrategyRecord:
     sends: str = "gradients"
 
     @property
+    def pipelined(self) -> bool:
+        """Stages on ranks of their own, working at once (a pipeline), not one after
+        another in one process (naive model parallel)."""
+        return self.cuts_model and self.launch != ONE_PROCESS
+
+    @property
     def narrative(self) -> str:
         """The report template that explains the strategy (under report/)."""
         return f"strategies/{self.name}.html.j2"

@@ -27,7 +27,7 @@ import json
 import numpy as np
 import pandas as pd
 
-from parabench.catalog import ACTIVATIONS, GRADS, ONE_PROCESS, OPTIMIZER, PARAMS, record
+from parabench.catalog import ACTIVATIONS, GRADS, OPTIMIZER, PARAMS, record
 
 TOLERANCE = 0.25
 # Curve names of the ops the profiler counts.
@@ -71,7 +71,7 @@ def comm_time(comm_by_op: str, curves: pd.DataFrame, devices: int) -> float:
 def work_share(strategy: str, devices: int) -> float:
     """The fraction of single's compute one rank (or stage) does per step."""
     r = record(strategy)
-    if devices == 1 or (r.cuts_model and r.launch == ONE_PROCESS):
+    if devices == 1 or (r.cuts_model and not r.pipelined):
         return 1.0  # naive model parallel: the stages run one after another
     return 1.0 / devices
 
@@ -111,7 +111,7 @@ def predict(summary: pd.DataFrame, curves: pd.DataFrame, variant_keys: list[str]
         n = int(row["devices"])
         compute = single["compute_s"] * work_share(row["strategy"], n) / rank_speed(row, single)
         bubble = 0.0
-        if record(row["strategy"]).cuts_model and record(row["strategy"]).launch != ONE_PROCESS:
+        if record(row["strategy"]).pipelined:
             bubble = compute * (n - 1) / max(1, row["microbatches"])
         comm = comm_time(row["comm_by_op"], curves, n) if n > 1 else 0.0
         overhead = single["data_s"] + single["other_s"]
@@ -179,7 +179,7 @@ def memory_model(row: pd.Series, params: float, act_per_sample: float) -> dict[s
     strategy splits it (sharded, or cut into stages or matrix slices)."""
     r = record(row["strategy"])
     n = int(row["devices"])
-    split_model = (r.cuts_model and r.launch != ONE_PROCESS) or r.needs_tp_plan
+    split_model = r.pipelined or r.needs_tp_plan
     share = {
         k: (1 / n if (k in r.sharded or split_model) else 1.0)
         for k in (PARAMS, GRADS, OPTIMIZER, ACTIVATIONS)
