@@ -19,6 +19,10 @@ from parabench.spec import ModelSpec, RunSpec
 REPO = Path(__file__).resolve().parents[1]
 # Small enough for 2 cores, deep enough (6 blocks) to cut into 4 stages.
 TINY_MLP = ModelSpec.of("mlp", dims=[48, 32, 24, 16, 8, 4, 1])
+# The equivalence tests' SGD learning rate: large, so parameters move far and a wrong
+# gradient scale cannot hide. Tests that read other records of the same cells use it too,
+# so that each cell is launched once (see `cells`).
+SGD_LR = 0.5
 
 
 def tiny_spec(strategy: str, devices: int, **kw) -> RunSpec:
@@ -53,6 +57,23 @@ def run_cell(
     meta_path = out / "meta.json"
     assert meta_path.exists(), f"no record written; rc={proc.returncode}\n{proc.stderr[-3000:]}"
     return json.loads(meta_path.read_text()), proc
+
+
+@pytest.fixture(scope="session")
+def cells(tmp_path_factory):
+    """`cells(spec)` -> (meta, proc, out): each spec launched once per session. Tests
+    that only read a cell's records share its launch (most of a cell's cost on CPU is
+    starting its processes); a test that changes the spec gets a launch of its own."""
+    done: dict[RunSpec, tuple[dict, subprocess.CompletedProcess, Path]] = {}
+
+    def run(spec: RunSpec, timeout: float = 180) -> tuple[dict, subprocess.CompletedProcess, Path]:
+        if spec not in done:
+            out = tmp_path_factory.mktemp(f"{spec.strategy}-n{spec.devices}")
+            meta, proc = run_cell(spec, out, timeout)
+            done[spec] = (meta, proc, out)
+        return done[spec]
+
+    return run
 
 
 def load_params(cell_dir: Path) -> dict[str, torch.Tensor]:

@@ -13,7 +13,7 @@ import statistics
 import pandas as pd
 import pytest
 
-from conftest import TINY_MLP, run_cell, tiny_spec
+from conftest import SGD_LR, TINY_MLP, run_cell, tiny_spec
 from parabench import anatomy, scaling
 from parabench.collectives import bus_factor
 from parabench.models import build
@@ -33,6 +33,14 @@ def ran(tmp_path, strategy: str, devices: int, **kw) -> dict:
     return meta
 
 
+def shared(cells, strategy: str, devices: int, **kw) -> dict:
+    """The equivalence tests' cell (their spec, one launch for both): for what it sends,
+    which the learning rate does not change."""
+    meta, proc, _ = cells(tiny_spec(strategy, devices, lr=SGD_LR, **kw))
+    assert meta["status"] == "ok", f"{meta['reason']}\n{proc.stderr[-2000:]}"
+    return meta
+
+
 def comm(meta: dict, rank: int = 0) -> dict:
     return meta["comm_per_rank"][rank]
 
@@ -47,8 +55,8 @@ def test_single_sends_nothing(tmp_path):
 
 
 @pytest.mark.slow
-def test_ddp_sends_its_gradients_once_per_step(tmp_path):
-    meta = ran(tmp_path, "ddp", 2)
+def test_ddp_sends_its_gradients_once_per_step(cells):
+    meta = shared(cells, "ddp", 2)
     for rank in (0, 1):
         sent = comm(meta, rank)
         assert set(sent) == {"all_reduce"}, sent
@@ -56,16 +64,16 @@ def test_ddp_sends_its_gradients_once_per_step(tmp_path):
 
 
 @pytest.mark.slow
-def test_grad_accum_all_reduces_once_per_optimizer_step_not_k_times(tmp_path):
-    meta = ran(tmp_path, "grad_accum", 2, accum_steps=4)
+def test_grad_accum_all_reduces_once_per_optimizer_step_not_k_times(cells):
+    meta = shared(cells, "grad_accum", 2, accum_steps=4)
     sent = comm(meta)
     assert sent["all_reduce"]["count"] == 1, sent
     assert sent["all_reduce"]["bytes"] == pytest.approx(GRAD_BYTES, rel=0.01)
 
 
 @pytest.mark.slow
-def test_pipeline_sends_boundary_activations_and_their_gradients(tmp_path):
-    meta = ran(tmp_path, "pipeline", 2, microbatches=4)
+def test_pipeline_sends_boundary_activations_and_their_gradients(cells):
+    meta = shared(cells, "pipeline", 2, microbatches=4)
     (_, cut), _ = meta["stage_cuts"]  # stage 0 holds blocks [0, cut)
     boundary = 64 * DIMS[cut] * F32  # the whole batch's activations at the cut, fp32
     first, last = comm(meta, 0), comm(meta, 1)

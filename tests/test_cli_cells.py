@@ -1,11 +1,12 @@
 """Every strategy runs from the command line at 1, 2 and 4 devices and writes its CSV
-and JSON; what cannot run honestly on this machine is `skipped` with its reason."""
+and JSON; what cannot run honestly on this machine is `skipped` with its reason.
+(The cells are the equivalence tests' own, launched once for both: `cells`.)"""
 
 import csv
 
 import pytest
 
-from conftest import run_cell, tiny_spec
+from conftest import SGD_LR, run_cell, tiny_spec
 from parabench import records
 
 pytestmark = pytest.mark.slow
@@ -16,23 +17,25 @@ CELLS = [("single", 1)] + [
 
 
 @pytest.mark.parametrize("strategy, devices", CELLS, ids=[f"{s}-n{n}" for s, n in CELLS])
-def test_cell_writes_its_records(tmp_path, strategy, devices):
-    spec = tiny_spec(strategy, devices, steps=5, warmup=2)
-    meta, proc = run_cell(spec, tmp_path)
-    records.read_meta(tmp_path / "meta.json")  # schema-valid
-    with open(tmp_path / "steps.csv") as f:
+def test_cell_writes_its_records(cells, strategy, devices):
+    spec = tiny_spec(strategy, devices, lr=SGD_LR)
+    meta, proc, out = cells(spec)
+    records.read_meta(out / "meta.json")  # schema-valid
+    with open(out / "steps.csv") as f:
         reader = csv.DictReader(f)
         rows = list(reader)
-    records.check_step_header(tmp_path / "steps.csv", reader.fieldnames)
+    records.check_step_header(out / "steps.csv", reader.fieldnames)
 
     if strategy == "dp" and devices > 1:  # CPU: DataParallel would silently run one copy
         assert meta["status"] == "skipped"
         assert "CUDA devices" in meta["reason"]
-        assert rows == [] and not (tmp_path / "params.pt").exists()
+        assert rows == [] and not (out / "params.pt").exists()
         return
     assert meta["status"] == "ok", f"{meta['reason']}\n{proc.stderr[-2000:]}"
     assert proc.returncode == 0
-    assert [r["phase"] for r in rows] == ["warmup"] * 2 + ["timed"] * 3
+    assert [r["phase"] for r in rows] == ["warmup"] * spec.warmup + ["timed"] * (
+        spec.steps - spec.warmup
+    )
     assert all(float(r["step_time_s"]) >= float(r["step_time_min_s"]) > 0 for r in rows)
     assert {int(r["samples"]) for r in rows} == {spec.global_batch}
     assert meta["emulated"] == (strategy == "model_parallel" and devices > 1)

@@ -13,14 +13,14 @@ the workflow launches it. Same seed, same initial weights, same global batches.
 
 import pytest
 
-from conftest import TINY_MLP, load_params, max_abs_diff, run_cell, tiny_spec
+from conftest import SGD_LR, TINY_MLP, load_params, max_abs_diff, run_cell, tiny_spec
 from parabench import equivalence
 from parabench.spec import ModelSpec
 
 pytestmark = pytest.mark.slow
 
 TOL = 1e-6  # fp32 + SGD: float32 sums in another order differ by ~1e-8 here
-LR = 0.5  # large, so parameters move far and a wrong gradient scale cannot hide
+LR = SGD_LR
 ADAMW_LR = 0.01  # AdamW moves every weight by about lr per step
 # Uniform residual blocks with a tensor-parallel plan (fc1 column-, fc2 row-wise).
 TINY_RES = ModelSpec.of("resmlp", d_in=32, width=64, depth=2, classes=10)
@@ -32,7 +32,6 @@ CASES = [
     ("ddp", 2, {}),
     ("ddp", 4, {}),
     ("grad_accum", 1, {"accum_steps": 2}),
-    ("grad_accum", 1, {"accum_steps": 4}),
     ("grad_accum", 2, {"accum_steps": 2}),
     ("grad_accum", 2, {"accum_steps": 4}),
     ("model_parallel", 2, {}),
@@ -44,8 +43,7 @@ CASES = [
     ("zero1", 4, {}),
     ("fsdp", 2, {"fsdp_reshard": True}),
     ("fsdp", 4, {"fsdp_reshard": True}),
-    ("fsdp", 2, {"fsdp_reshard": False}),
-    ("fsdp", 4, {"fsdp_reshard": False}),
+    ("fsdp", 2, {"fsdp_reshard": False}),  # the same code at 4: n=4 is covered by reshard
     ("tp", 2, {"model": TINY_RES}),
     ("tp", 4, {"model": TINY_RES}),
     ("ddp", 2, {"model": TINY_GPT}),
@@ -67,21 +65,14 @@ def _ids(case) -> str:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
+def reference(cells):
     """single's run of a (model, precision, optimizer, lr): its params and its record."""
-    done: dict = {}
 
     def get(model=TINY_MLP, precision="fp32", optimizer="sgd", lr=LR):
-        key = (model, precision, optimizer, lr)
-        if key not in done:
-            out = tmp_path_factory.mktemp("single")
-            spec = tiny_spec(
-                "single", 1, model=model, precision=precision, optimizer=optimizer, lr=lr
-            )
-            meta, proc = run_cell(spec, out)
-            assert meta["status"] == "ok", f"{meta['reason']}\n{proc.stderr[-2000:]}"
-            done[key] = (load_params(out), meta)
-        return done[key]
+        spec = tiny_spec("single", 1, model=model, precision=precision, optimizer=optimizer, lr=lr)
+        meta, proc, out = cells(spec)
+        assert meta["status"] == "ok", f"{meta['reason']}\n{proc.stderr[-2000:]}"
+        return load_params(out), meta
 
     return get
 
@@ -105,13 +96,13 @@ def test_single_actually_trains(reference, tmp_path):
 
 
 @pytest.mark.parametrize("strategy, devices, opts", CASES, ids=[_ids(c) for c in CASES])
-def test_same_parameters_as_single(reference, tmp_path, strategy, devices, opts):
+def test_same_parameters_as_single(reference, cells, strategy, devices, opts):
     single, _ = reference(model=opts.get("model", TINY_MLP))
-    meta, proc = run_cell(tiny_spec(strategy, devices, lr=LR, microbatches=4, **opts), tmp_path)
+    meta, proc, out = cells(tiny_spec(strategy, devices, lr=LR, **opts))
     assert meta["status"] == "ok", f"{meta['reason']}\n{proc.stderr[-2000:]}"
     one_process = strategy in ("dp", "model_parallel") or devices == 1
     assert meta["world_size"] == (1 if one_process else devices)
-    diff = max_abs_diff(load_params(tmp_path), single)
+    diff = max_abs_diff(load_params(out), single)
     assert diff <= TOL, f"{strategy} n={devices} {opts}: max |param - single| = {diff:.2e}"
 
 
@@ -119,14 +110,14 @@ def test_same_parameters_as_single(reference, tmp_path, strategy, devices, opts)
     "strategy, precision, optimizer", VARIANT_CASES, ids=["-".join(c) for c in VARIANT_CASES]
 )
 def test_adamw_and_bf16_within_the_measured_tolerance(
-    reference, tmp_path, strategy, precision, optimizer
+    reference, cells, strategy, precision, optimizer
 ):
     lr = ADAMW_LR if optimizer == "adamw" else LR
     single, ref_meta = reference(TINY_RES, precision, optimizer, lr)
     spec = tiny_spec(strategy, 2, model=TINY_RES, precision=precision, optimizer=optimizer, lr=lr)
-    meta, proc = run_cell(spec, tmp_path)
+    meta, proc, out = cells(spec)
     assert meta["status"] == "ok", f"{meta['reason']}\n{proc.stderr[-2000:]}"
-    rel, tol = verdict(load_params(tmp_path), single, ref_meta)
+    rel, tol = verdict(load_params(out), single, ref_meta)
     assert rel <= tol, f"{strategy} {precision} {optimizer}: {rel:.2e} > tolerance {tol:.2e}"
     # The tolerance is the rounding floor of this variant, wider than fp32 + SGD's.
     assert ref_meta["reorder_rel_diff"] > 0

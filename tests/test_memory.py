@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from conftest import run_cell, tiny_spec
+from conftest import tiny_spec
 from parabench.models import build
 from parabench.spec import ModelSpec
 
@@ -24,9 +24,10 @@ def total_bytes(model: ModelSpec) -> int:
     return sum(p.numel() * F32 for p in params_of(model).values())
 
 
-def run(tmp_path, strategy: str, devices: int) -> list[dict]:
+def run(cells, strategy: str, devices: int) -> list[dict]:
+    # the equivalence tests' AdamW cells (at n=2): one launch for both (see `cells`)
     spec = tiny_spec(strategy, devices, model=MODEL, optimizer="adamw", lr=0.01)
-    meta, proc = run_cell(spec, tmp_path)
+    meta, proc, _ = cells(spec)
     assert meta["status"] == "ok", f"{meta['reason']}\n{proc.stderr[-2000:]}"
     held = meta["held_bytes_per_rank"]
     assert len(held) == (devices if devices > 1 else 1)
@@ -39,14 +40,14 @@ def adam_state(param_bytes: int, tensors: int) -> int:
     return 2 * param_bytes + tensors * F32
 
 
-def test_ddp_replicates_everything(tmp_path):
+def test_ddp_replicates_everything(cells):
     total, count = total_bytes(MODEL), len(params_of(MODEL))
-    for rank in run(tmp_path, "ddp", 2):
+    for rank in run(cells, "ddp", 2):
         assert rank == {"params": total, "grads": total, "optimizer": adam_state(total, count)}
 
 
 @pytest.mark.parametrize("devices", [2, 4])
-def test_fsdp_keeps_one_nth_of_everything(tmp_path, devices):
+def test_fsdp_keeps_one_nth_of_everything(cells, devices):
     # Each parameter is split on dim 0 into n chunks of ceil(rows / n) rows (the last
     # ones shorter, as torch.chunk): a rank holds at most that padded 1/n of every
     # parameter, gradient and optimizer state, and the ranks together hold the model once.
@@ -55,7 +56,7 @@ def test_fsdp_keeps_one_nth_of_everything(tmp_path, devices):
         math.ceil(p.shape[0] / devices) * (p.numel() // p.shape[0]) * F32 for p in params.values()
     )
     total = total_bytes(MODEL)
-    held = run(tmp_path, "fsdp", devices)
+    held = run(cells, "fsdp", devices)
     for rank in held:
         assert rank["params"] <= padded
         assert rank["grads"] == rank["params"]
@@ -65,7 +66,7 @@ def test_fsdp_keeps_one_nth_of_everything(tmp_path, devices):
 
 
 @pytest.mark.parametrize("devices", [2, 4])
-def test_zero1_shards_only_the_optimizer_state(tmp_path, devices):
+def test_zero1_shards_only_the_optimizer_state(cells, devices):
     # torch's ZeroRedundancyOptimizer assigns whole parameters, largest first, each to
     # the rank with the fewest elements so far (ties: the lowest rank).
     params = sorted(params_of(MODEL).values(), key=lambda p: p.numel(), reverse=True)
@@ -75,14 +76,14 @@ def test_zero1_shards_only_the_optimizer_state(tmp_path, devices):
         sizes[r] += p.numel()
         counts[r] += 1
     total = total_bytes(MODEL)
-    held = run(tmp_path, "zero1", devices)
+    held = run(cells, "zero1", devices)
     for r, rank in enumerate(held):
         assert rank["params"] == rank["grads"] == total
         assert rank["optimizer"] == adam_state(sizes[r] * F32, counts[r])
     assert sum(r["optimizer"] for r in held) == adam_state(total, len(params))
 
 
-def test_tensor_parallel_splits_the_planned_layers(tmp_path):
+def test_tensor_parallel_splits_the_planned_layers(cells):
     # fc1 (column-wise): weight and bias split by output rows; fc2 (row-wise): weight
     # split by input columns, bias replicated. Everything else replicated.
     n = 2
@@ -95,5 +96,5 @@ def test_tensor_parallel_splits_the_planned_layers(tmp_path):
             split += layer.bias.numel() * F32
     total = total_bytes(MODEL)
     expected = total - split + split // n
-    for rank in run(tmp_path, "tp", n):
+    for rank in run(cells, "tp", n):
         assert rank["params"] == rank["grads"] == expected
