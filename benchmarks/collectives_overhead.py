@@ -6,8 +6,9 @@ Prints, from one torchrun job of n ranks on this machine:
   goal within 5%;
 - a DDP step under the profiler as parabench runs it for the anatomy (CPU activity, no
   shapes or memory) over the same step unprofiled: what profiling costs, and why it
-  stays out of the timed steps; beside it, what the anatomy estimates the profiler
-  costs (events recorded per step × `profiling.event_cost`), the share it takes out.
+  stays out of the timed steps; beside it, what the anatomy takes out of the parts as
+  the profiler's cost (`profiling.profiler_cost`: the main thread's extra CPU time per
+  step, times the cores' oversubscription).
 Rounds alternate the two sides so drift on a shared machine hits both alike.
 
 Usage: python benchmarks/collectives_overhead.py [--devices 2] [--device cpu|cuda]
@@ -29,9 +30,10 @@ from parabench import runtime, strategies
 from parabench.anatomy import STEP_MARK
 from parabench.collectives import time_op
 from parabench.data import SyntheticBatches
+from parabench.envinfo import usable_cores
 from parabench.loop import synchronizer
 from parabench.models import build
-from parabench.profiling import event_cost
+from parabench.profiling import profiler_cost
 from parabench.spec import ModelSpec, RunSpec
 
 SIZE = 16 * 2**20
@@ -55,31 +57,31 @@ def bare_all_reduce(device: torch.device, iters: int) -> float:
 
 
 def ddp_steps(ctx, spec: RunSpec, steps: int, profiled: bool) -> tuple[float, float]:
-    """Median DDP step, plain or under the anatomy's profiler settings, and the events
-    the profiler recorded per step (0 unprofiled)."""
+    """Median DDP step (slowest rank), plain or under the anatomy's profiler settings,
+    and this rank's median main-thread CPU time per step."""
     model = build(spec.model, spec.seed)
     strategy = strategies.build(model, spec, ctx)
     batches = SyntheticBatches(model, spec.global_batch, 0, strategy.shard, strategy.data_device)
     sync = synchronizer(strategy.devices())
     for s in range(3):
         strategy.step(*batches.batch(s))
-    times = []
+    times, cpu = [], []
     activities = [ProfilerActivity.CPU] + (
         [ProfilerActivity.CUDA] if ctx.device.type == "cuda" else []
     )
-    with profile(activities=activities) if profiled else contextlib.nullcontext() as prof:
+    with profile(activities=activities) if profiled else contextlib.nullcontext():
         for s in range(steps):
             x, y = batches.batch(s)
             sync()
-            t0 = time.perf_counter()
+            c0, t0 = time.thread_time(), time.perf_counter()
             with record_function(STEP_MARK):
                 strategy.step(x, y)
                 sync()
             times.append(time.perf_counter() - t0)
+            cpu.append(time.thread_time() - c0)
     slowest = torch.tensor([statistics.median(times)], dtype=torch.float64)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-    events = len(prof.events()) / steps if profiled else 0.0
-    return slowest.item(), events
+    return slowest.item(), statistics.median(cpu)
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -95,16 +97,16 @@ def worker(args: argparse.Namespace) -> None:
         t, iters = time_op("all_reduce", SIZE, ctx.device, min_time_s=0.2)
         ours.append(t)
         bare.append(bare_all_reduce(ctx.device, iters))
-    plain, prof, events = [], [], []
+    plain, prof, plain_cpu, prof_cpu = [], [], [], []
     for _ in range(args.rounds):
-        plain.append(ddp_steps(ctx, spec, args.steps, profiled=False)[0])
-        t, n = ddp_steps(ctx, spec, args.steps, profiled=True)
+        t, c = ddp_steps(ctx, spec, args.steps, profiled=False)
+        plain.append(t)
+        plain_cpu.append(c)
+        t, c = ddp_steps(ctx, spec, args.steps, profiled=True)
         prof.append(t)
-        events.append(n)
-    activities = [ProfilerActivity.CPU] + (
-        [ProfilerActivity.CUDA] if ctx.device.type == "cuda" else []
-    )
-    cost = event_cost(activities)
+        prof_cpu.append(c)
+    share = ctx.world_size * ctx.threads / usable_cores()
+    estimate = profiler_cost(prof_cpu, plain_cpu, share)
     if ctx.is_main:
         o, b = statistics.median(ours), statistics.median(bare)
         print(f"all_reduce 16 MiB  parabench collectives  {o * 1e3:8.3f} ms")
@@ -116,10 +118,9 @@ def worker(args: argparse.Namespace) -> None:
         print(
             f"what profiling costs                      {p / u - 1:+8.1%}   (never in timed steps)"
         )
-        n = statistics.median(events)
         print(
-            f"anatomy's estimate: {n:.0f} events x {cost * 1e6:.2f} us  "
-            f"{n * cost / u:+8.1%}   (profiler_s, taken out of the parts)"
+            f"anatomy's estimate (extra CPU x {max(1.0, share):.1f})      "
+            f"{estimate / u:+8.1%}   (profiler_s, taken out of the parts)"
         )
     dist.barrier()
     runtime.stop(ctx)

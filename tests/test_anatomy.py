@@ -130,8 +130,9 @@ def test_attribution_on_a_synthetic_trace():
 
 def test_the_profilers_cost_comes_out_of_the_gaps_and_the_outer_ops():
     """A 100 µs step: linear 0-40 holding addmm 5-35 (inner), relu 50-60 (outer), so
-    compute 50, other 50. At 2 µs an event: 2 outer events' cost (4) leaves the gaps,
-    the inner one's (2) leaves compute; the parts still sum to the step less it."""
+    compute 50, other 50. 6 µs of profiler over 3 events: the 2 outer events' share (4)
+    leaves the gaps, the inner one's (2) leaves compute; the parts still sum to the step
+    less it."""
     events = [
         ev(anatomy.STEP_MARK, 0, 100, cat="user_annotation"),
         ev("aten::linear", 0, 40),
@@ -140,26 +141,27 @@ def test_the_profilers_cost_comes_out_of_the_gaps_and_the_outer_ops():
     ]
     (bare,) = anatomy.anatomy(events)
     assert bare["profiler_s"] == 0 and bare["step_s"] == pytest.approx(100e-6)
-    (a,) = anatomy.anatomy(events, event_cost_s=2e-6)
+    (a,) = anatomy.anatomy(events, profiler_s=6e-6)
     assert a["profiler_s"] == pytest.approx(6e-6)
     assert a["other_s"] == pytest.approx(46e-6)
     assert a["compute_s"] == pytest.approx(48e-6)
     assert a["step_s"] == pytest.approx(94e-6) == pytest.approx(sum(a[k] for k in anatomy.PARTS))
-    # a cost larger than the gaps hold takes only what is there
-    (big,) = anatomy.anatomy(events, event_cost_s=40e-6)
+    # a cost larger than the gaps hold: what they cannot hold comes out of compute
+    (big,) = anatomy.anatomy(events, profiler_s=90e-6)
     assert big["other_s"] == 0 and big["compute_s"] == pytest.approx(10e-6)
-    assert big["step_s"] == pytest.approx(10e-6)
+    assert big["step_s"] == pytest.approx(10e-6) and big["profiler_s"] == pytest.approx(90e-6)
 
 
-def test_the_profilers_cost_per_event_is_measured_not_assumed():
-    from torch.profiler import ProfilerActivity
+def test_the_profilers_cost_is_the_cpu_it_adds_times_the_cores_oversubscription():
+    from parabench.profiling import profiler_cost
 
-    from parabench.profiling import event_cost
-
-    cost = event_cost([ProfilerActivity.CPU])
-    # kineto's CPU events cost on the order of a microsecond each: neither nothing nor
-    # a millisecond (a bare/profiled mix-up or a broken loop would show here)
-    assert 1e-8 < cost < 1e-4, cost
+    profiled, timed = [3.1e-3, 2.9e-3, 3.0e-3], [2.0e-3, 2.2e-3, 1.9e-3, 2.0e-3]
+    assert profiler_cost(profiled, timed, share=1.0) == pytest.approx(1.0e-3)
+    # four ranks on two cores: each rank's extra work also waits for a core
+    assert profiler_cost(profiled, timed, share=2.0) == pytest.approx(2.0e-3)
+    assert profiler_cost(profiled, timed, share=0.5) == pytest.approx(1.0e-3)
+    assert profiler_cost(timed, profiled, share=1.0) == 0  # noise, not a negative cost
+    assert profiler_cost([], timed, share=1.0) == 0
 
 
 def test_a_stage_waiting_to_receive_is_bubble_only_in_a_pipeline():
@@ -285,3 +287,18 @@ def test_the_model_predicts_ddp_from_single_and_the_curve():
     assert pipe["prediction_miss"].startswith("compute") or pipe["prediction_miss"].startswith(
         "overhead"
     ), pipe["prediction_miss"]
+
+
+def test_the_profiled_steps_interleave_with_the_timed_ones():
+    from parabench.loop import PROFILED, TIMED, WARMUP, plan
+
+    kinds = plan(steps=20, warmup=4, profile_steps=12)
+    assert kinds[:4] == [WARMUP] * 4
+    assert kinds.count(TIMED) == 16 and kinds.count(PROFILED) == 12
+    # six sessions of two, one after each run of timed steps, the runs nearly equal
+    runs = "".join(k[0] for k in kinds[4:]).split("pp")
+    assert [r.strip("w") for r in runs] == ["tt", "ttt", "ttt", "tt", "ttt", "ttt", ""]
+    # a warm-up step after every session but the last, so none starts a timed run skewed
+    assert kinds.count(WARMUP) == 4 + 5 and kinds[-1] == PROFILED
+    assert plan(5, 2, 0) == [WARMUP, WARMUP, TIMED, TIMED, TIMED]
+    assert plan(4, 1, 1) == [WARMUP, TIMED, TIMED, TIMED, PROFILED]

@@ -8,6 +8,7 @@ import pytest
 
 from conftest import SGD_LR, run_cell, tiny_spec
 from parabench import records
+from parabench.loop import PROFILED, plan
 
 pytestmark = pytest.mark.slow
 
@@ -33,9 +34,12 @@ def test_cell_writes_its_records(cells, strategy, devices):
         return
     assert meta["status"] == "ok", f"{meta['reason']}\n{proc.stderr[-2000:]}"
     assert proc.returncode == 0
-    assert [r["phase"] for r in rows] == ["warmup"] * spec.warmup + ["timed"] * (
-        spec.steps - spec.warmup
-    )
+    # every step of the plan but the profiled ones, in order: warm-up, then timed runs
+    # with one warm-up step after each profiler session but the last
+    kinds = plan(spec.steps, spec.warmup, spec.profile_steps)
+    assert [r["phase"] for r in rows] == [k for k in kinds if k != PROFILED]
+    assert [int(r["step"]) for r in rows] == [i for i, k in enumerate(kinds) if k != PROFILED]
+    assert sum(r["phase"] == "timed" for r in rows) == spec.steps - spec.warmup
     assert all(float(r["step_time_s"]) >= float(r["step_time_min_s"]) > 0 for r in rows)
     assert {int(r["samples"]) for r in rows} == {spec.global_batch}
     assert meta["emulated"] == (strategy == "model_parallel" and devices > 1)
@@ -56,4 +60,5 @@ def test_dataloader_mode_times_the_input_pipeline(tmp_path, strategy, devices):
     assert meta["spec"]["data"] == "dataloader"
     with open(tmp_path / "steps.csv") as f:
         rows = list(csv.DictReader(f))
-    assert len(rows) == 12 and {int(r["samples"]) for r in rows} == {64}
+    assert sum(r["phase"] == "timed" for r in rows) == 10
+    assert {int(r["samples"]) for r in rows} == {64}

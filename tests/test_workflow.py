@@ -9,6 +9,7 @@ import pandas as pd
 import pytest
 
 from conftest import planned_outputs, snakemake
+from parabench.loop import plan
 
 pytestmark = pytest.mark.slow
 
@@ -21,6 +22,7 @@ CONFIG = {
     "repeats": 1,
     "steps": 5,
     "warmup": 1,
+    "profile_steps": 4,
     "timeout_s": 60,
     "cell_timeout_s": 240,
 }
@@ -57,8 +59,11 @@ def test_speedup_recomputed_from_raw_steps_matches_summary(run):
         speedup = (batch / median) / (batch / t[("single", 1)])
         assert summary.loc[key, "speedup"] == pytest.approx(speedup, rel=1e-9)
         assert summary.loc[key, "efficiency"] == pytest.approx(speedup / key[1], rel=1e-9)
-    # warm-up rows are kept in steps.csv but excluded from every statistic
-    assert (steps["phase"] == "warmup").sum() == len(t) * CONFIG["warmup"]
+    # warm-up rows (the leading ones, and one after each profiler session but the last)
+    # are kept in steps.csv but excluded from every statistic
+    kinds = plan(CONFIG["steps"], CONFIG["warmup"], CONFIG["profile_steps"])
+    assert kinds.count("warmup") == CONFIG["warmup"] + 1
+    assert (steps["phase"] == "warmup").sum() == len(t) * kinds.count("warmup")
 
 
 def test_strategies_match_single_in_the_pipeline_too(run):

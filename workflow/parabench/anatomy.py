@@ -18,13 +18,12 @@ earlier part took, so the parts never overlap and sum to the profiled step:
   on any thread or stream, while the critical timeline did nothing else);
 - other: the rest (Python, launch overhead, waits on nothing we can name).
 
-The profiler's own cost is not the step's: each event it records costs the thread that
-runs the op a few microseconds (`event_cost_s`, measured in the same process, see
-profiling.event_cost). `profiler_s` = events on the critical thread × that cost, taken
-out of the parts where it lands: for an op inside another op, within the outer op's
-span (compute); for the others, in the gaps between ops (other). On GPU the host's
-events only stretch the streams' idle gaps (other). The parts then sum to the profiled
-step less `profiler_s`: what the step takes when nobody watches.
+The profiler's own cost is not the step's. `profiler_s`, what it adds to a step, is
+measured by the caller (profiling.profiler_cost) and taken out of the parts where the
+profiler's work lands, shared by the events it records there: an event inside another
+op's span lengthens that op (compute); the others lengthen the gaps between ops (other).
+On GPU the host's work only stretches the streams' idle gaps (other). The parts then sum
+to the profiled step less `profiler_s`: what the step takes when nobody watches.
 
 comm is every collective's and send/recv's own time (union over threads or streams),
 hidden or not. Communication volume is counted from the c10d ops the trace records,
@@ -129,10 +128,10 @@ def step_windows(events: list[dict]) -> tuple[list[Interval], object]:
 
 
 def anatomy(
-    events: list[dict], cuts_model: bool = False, event_cost_s: float = 0.0
+    events: list[dict], cuts_model: bool = False, profiler_s: float = 0.0
 ) -> list[dict[str, float]]:
     """Seconds of each part of each profiled step, plus `step_s` (their sum: the
-    profiled step less `profiler_s`, the profiler's share of it) and `comm_s`."""
+    profiled step less `profiler_s`, what the profiler added to it) and `comm_s`."""
     windows, main = step_windows(events)
     if not windows:
         return []
@@ -175,9 +174,13 @@ def anatomy(
         parts["other_s"] = max(0.0, (hi - lo) - sum(parts[k] for k in PARTS if k != "other_s"))
         parts["step_s"] = hi - lo
         outer, inner = nesting(recorded_main, lo, hi)
-        cost = event_cost_s * 1e6  # µs, as the trace
-        gaps = min(parts["other_s"], cost * (outer + (inner if on_gpu else 0)))
-        within = 0.0 if on_gpu else min(parts["compute_s"], cost * inner)
+        cost = profiler_s * 1e6  # µs, as the trace
+        in_ops = 0.0 if on_gpu or not outer + inner else cost * inner / (outer + inner)
+        within = min(parts["compute_s"], in_ops)
+        gaps = min(parts["other_s"], cost - within)
+        within = min(parts["compute_s"], cost - gaps)  # what the gaps could not hold
+        if on_gpu:
+            within = 0.0
         parts["other_s"] -= gaps
         parts["compute_s"] -= within
         parts["profiler_s"] = gaps + within

@@ -17,7 +17,7 @@ import torch
 
 from parabench import anatomy, envinfo, equivalence, faults, profiling, records, runtime, strategies
 from parabench.data import LoaderBatches, SyntheticBatches
-from parabench.loop import all_ranks, measure
+from parabench.loop import all_ranks, measure, plan
 from parabench.models import Model, build
 from parabench.peak import gemm_flops_per_s
 from parabench.spec import RunSpec
@@ -146,7 +146,7 @@ def reorder_spread(spec: RunSpec, ctx: runtime.Context, reference: dict) -> dict
     initial = cpu_params(model.blocks)
     replica = strategies.get(spec.strategy)(model, spec, ctx)
     batches = batch_source(model, spec, replica)
-    for step in range(spec.steps):
+    for step in range(len(plan(spec.steps, spec.warmup, spec.profile_steps))):
         x, y = batches.batch(step)
         replica.step(x.flip(0), y.flip(0))
     state = replica.full_state()
@@ -171,12 +171,20 @@ def _run(spec: RunSpec, ctx: runtime.Context, out: Path, common: dict, t_start: 
     setup_s = time.perf_counter() - t_start
 
     fault = faults.for_cell(spec.model_name, spec.strategy, spec.devices, spec.repeat, ctx.rank)
-    measured = measure(strategy, batches, spec.steps, fault)
+    steps = plan(spec.steps, spec.warmup, spec.profile_steps)
+    profiler = profiling.StepProfiler(strategy, batches, ctx)
+    measured = measure(strategy, batches, steps, fault, profiler)
 
     held = strategy.held_bytes()  # between steps: what the rank keeps, not transients
-    state = strategy.full_state()  # before the profiled steps move the parameters on
-    profiled = profiling.profile_steps(strategy, batches, spec.steps, spec.profile_steps, ctx, out)
+    state = strategy.full_state()  # after every step of the plan, before the memory step
+    profiled = profiler.finish(len(steps), out)
     list_bytes = 2 if spec.precision == "bf16" and spec.record.sends == "activations" else 4
+    # ranks on this host x threads each over its cores: how much the profiler's work on
+    # one rank also delays the others (see profiling.profiler_cost)
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", str(ctx.world_size)))
+    share = local * ctx.threads / envinfo.usable_cores()
+    timed_cpu = [c for c, p in zip(measured.cpu_s, measured.phases, strict=True) if p == "timed"]
+    profiler_s = profiling.profiler_cost(profiled.cpu_s, timed_cpu, share)
     per_rank = all_ranks(
         {
             "times": measured.times,
@@ -186,9 +194,7 @@ def _run(spec: RunSpec, ctx: runtime.Context, out: Path, common: dict, t_start: 
             "peak_flops": peak_device * len(physical),
             "held_bytes": held,
             "trace": profiled.trace,
-            "anatomy": anatomy.anatomy(
-                profiled.events, spec.record.cuts_model, profiled.event_cost_s
-            ),
+            "anatomy": anatomy.anatomy(profiled.events, spec.record.cuts_model, profiler_s),
             "comm": anatomy.volume(profiled.counted, list_bytes),
         },
         ctx,
@@ -197,17 +203,17 @@ def _run(spec: RunSpec, ctx: runtime.Context, out: Path, common: dict, t_start: 
         return
     reference = reorder_spread(spec, ctx, state) if spec.record.reference else {}
 
-    rows = []
-    for step in range(spec.steps):
-        ts = [r["times"][step] for r in per_rank]
+    rows = []  # the timed steps (warm-up included), by their place in the plan
+    for i, (step, phase) in enumerate(zip(measured.steps, measured.phases, strict=True)):
+        ts = [r["times"][i] for r in per_rank]
         rows.append(
             {
                 **spec.identity(),
                 "step": step,
-                "phase": "warmup" if step < spec.warmup else "timed",
+                "phase": phase,
                 "step_time_s": max(ts),
                 "step_time_min_s": min(ts),
-                "loss": sum(r["losses"][step] for r in per_rank),
+                "loss": sum(r["losses"][i] for r in per_rank),
                 "samples": spec.global_batch,
             }
         )

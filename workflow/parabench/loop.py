@@ -5,13 +5,17 @@ DataLoader mode, where the input pipeline is what we measure), synchronize every
 the process drives, time the step, synchronize again. CPU ops return when done; CUDA
 ones are queued, hence the explicit synchronize. Warm-up steps are timed and kept but
 marked, and left out of every statistic downstream.
+
+The profiled steps of the anatomy run between the timed ones (see `plan`), never
+timed themselves: a `Profiler` runs them.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -33,35 +37,92 @@ def synchronizer(devices: list[torch.device]) -> Callable[[], None]:
     return sync
 
 
+WARMUP, TIMED, PROFILED = "warmup", "timed", "profiled"
+
+
+PER_SESSION = 2  # profiled steps recorded back to back in one profiler session
+
+
+def plan(steps: int, warmup: int, profile_steps: int) -> list[str]:
+    """What each step of a cell is, in the order they run: `warmup` leading steps,
+    then the `steps - warmup` timed steps in nearly equal runs, each followed by a
+    profiler session that records PER_SESSION steps (the last session what is left).
+    Interleaved, not after: a shared machine's speed drifts by 10-20% over seconds (a
+    bare GEMM loop here: 16 to 19 ms within 15 s), and the anatomy must describe the
+    steps that were timed, not the ones a few seconds later. A session that more timed
+    steps follow is followed first by one more warm-up step: stopping the profiler
+    takes each rank its own time, so the step after it starts skewed (timed and kept,
+    as every warm-up step, out of the statistics). Every step trains: a cell runs
+    `len(plan(...))` optimizer steps."""
+    timed = steps - warmup
+    kinds = [WARMUP] * warmup
+    sessions = -(-profile_steps // PER_SESSION)
+    if sessions == 0:
+        return kinds + [TIMED] * timed
+    for i in range(sessions):
+        run = timed * (i + 1) // sessions - timed * i // sessions
+        recorded = min(PER_SESSION, profile_steps - i * PER_SESSION)
+        kinds += [TIMED] * run + [PROFILED] * recorded + ([WARMUP] if i < sessions - 1 else [])
+    return kinds
+
+
+class Profiler(Protocol):
+    def run(self, steps: list[int]) -> None:
+        """Run these steps (a plan's consecutive PROFILED ones) in one profiler session."""
+
+
 @dataclass
 class Measured:
-    """Per-step results of one process."""
+    """Per-step results of one process: the steps it timed (warm-up and timed ones)."""
 
     times: list[float]
     losses: list[float]
+    steps: list[int] = field(default_factory=list)  # each one's index in the plan
+    phases: list[str] = field(default_factory=list)  # WARMUP or TIMED
+    cpu_s: list[float] = field(default_factory=list)  # the main thread's CPU time
 
 
-def measure(strategy: Strategy, batches, steps: int, fault: Fault | None = None) -> Measured:
+def measure(
+    strategy: Strategy,
+    batches,
+    steps: int | list[str],
+    fault: Fault | None = None,
+    profiler: Profiler | None = None,
+) -> Measured:
+    """Run the steps of a plan (or `steps` timed ones), timing all but the profiled."""
+    kinds = [TIMED] * steps if isinstance(steps, int) else steps
     sync = synchronizer(strategy.devices())
     fault_step = fault.step if fault else -1
-    times: list[float] = []
+    out = Measured([], [])
     losses: list[torch.Tensor] = []
     timed_fetch = batches.timed_fetch
-    for step in range(steps):
+    for step, kind in enumerate(kinds):
         if step == fault_step:  # test-only; before the timer, so it costs the step nothing
             fault.fire()
+        if kind == PROFILED:
+            if step == 0 or kinds[step - 1] != PROFILED:  # a session: all of them at once
+                run = step
+                while run < len(kinds) and kinds[run] == PROFILED:
+                    run += 1
+                profiler.run(list(range(step, run)))
+            continue
         if not timed_fetch:
             x, y = batches.batch(step)
         sync()
+        c0 = time.thread_time()
         t0 = time.perf_counter()
         if timed_fetch:
             x, y = batches.batch(step)
         loss = strategy.step(x, y)
         sync()
-        times.append(time.perf_counter() - t0)
+        out.times.append(time.perf_counter() - t0)
+        out.cpu_s.append(time.thread_time() - c0)
         losses.append(loss)
+        out.steps.append(step)
+        out.phases.append(kind)
     # One host transfer after the loop instead of one per step.
-    return Measured(times, torch.stack(losses).double().cpu().tolist())
+    out.losses = torch.stack(losses).double().cpu().tolist()
+    return out
 
 
 def all_ranks(value, ctx: Context) -> list:

@@ -18,7 +18,6 @@ from __future__ import annotations
 import gzip
 import json
 import os
-import shutil
 import statistics
 import tempfile
 import time
@@ -26,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from torch.profiler import ProfilerActivity, profile, record_function, schedule
+from torch.profiler import ProfilerActivity, profile, record_function
 
 from parabench.anatomy import DATA_MARK, STEP_MARK
 from parabench.loop import synchronizer
@@ -40,92 +39,86 @@ class Profiled:
     events: list[dict]  # its Chrome trace events
     cpu_alloc_peak: int  # peak of bytes allocated on the CPU within a profiled step
     counted: list[dict]  # events of the step profiled with memory and tensor shapes
-    event_cost_s: float  # what the profiler adds to the step per event it records
+    cpu_s: list[float]  # the main thread's CPU time in each recorded step
 
 
-def _run(strategy: Strategy, batches, steps: range, sync, timed_fetch: bool) -> None:
-    for step in steps:
-        if not timed_fetch:  # synthetic batches are made outside the step, as when timed
-            x, y = batches.batch(step)
-        sync()
-        with record_function(STEP_MARK):
-            if timed_fetch:  # DataLoader mode: the fetch is part of the step, as when timed
-                with record_function(DATA_MARK):
-                    x, y = batches.batch(step)
-            strategy.step(x, y)
-            sync()
-
-
-def profile_steps(
-    strategy: Strategy, batches, first_step: int, count: int, ctx: Context, out: Path
-) -> Profiled:
-    """Run `count` steps from `first_step` under the profiler and keep this rank's
-    trace (the step's anatomy), then one more step profiled with memory and tensor
-    shapes (the CPU peak, and the bytes each collective moves). The profiler's own
-    first-step cost is kept out of the trace by a warm-up step it does not record;
-    memory and shape recording (work on every allocation and op) by their own step."""
-    sync = synchronizer(strategy.devices())
-    activities = [ProfilerActivity.CPU]
-    if ctx.device.type == "cuda":
-        activities.append(ProfilerActivity.CUDA)
-    timed_fetch = getattr(batches, "timed_fetch", False)
+def _run(strategy: Strategy, batches, step: int, sync, timed_fetch: bool) -> float:
+    """One step as the measurement loop runs it, marked for the anatomy; returns the
+    main thread's CPU time in it."""
+    if not timed_fetch:  # synthetic batches are made outside the step, as when timed
+        x, y = batches.batch(step)
     sync()
-    with profile(
-        activities=activities,
-        schedule=schedule(wait=0, warmup=1, active=count, repeat=1),
-    ) as prof:
-        for step in range(first_step, first_step + 1 + count):
-            _run(strategy, batches, range(step, step + 1), sync, timed_fetch)
-            prof.step()
-    name = f"trace-rank{ctx.rank}.json.gz"
-    raw = out / f".{name}.tmp.json"
-    out.mkdir(parents=True, exist_ok=True)
-    prof.export_chrome_trace(str(raw))
-    try:
-        events = json.loads(raw.read_text()).get("traceEvents", [])
-        with open(raw, "rb") as src, gzip.open(out / f".{name}.tmp", "wb") as dst:
-            shutil.copyfileobj(src, dst)
-        (out / f".{name}.tmp").replace(out / name)  # whole or absent, never half-written
-    finally:
-        raw.unlink(missing_ok=True)
-        (out / f".{name}.tmp").unlink(missing_ok=True)
-
-    last = first_step + 1 + count
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True) as m:
-        _run(strategy, batches, range(last, last + 1), sync, timed_fetch)
-    counted = _exported(m)
-    return Profiled(name, events, cpu_alloc_peak(counted), counted, event_cost(activities))
+    c0 = time.thread_time()
+    with record_function(STEP_MARK):
+        if timed_fetch:  # DataLoader mode: the fetch is part of the step, as when timed
+            with record_function(DATA_MARK):
+                x, y = batches.batch(step)
+        strategy.step(x, y)
+        sync()
+    return time.thread_time() - c0
 
 
-def event_cost(activities: list, steps: int = 50, rounds: int = 5) -> float:
-    """Seconds the profiler adds to the thread that runs an op, per event it records,
-    measured in this process as it runs now (under the same contention as its steps):
-    a tiny training step (matmul, relu, backward, update: the kinds of events a real
-    step records, autograd's included) timed bare and under the anatomy's profiler
-    settings; per round the extra time over the events recorded, the median of
-    `rounds`. The anatomy takes events x this out of each profiled step. (Per event,
-    not per call: `x.add_(1)` alone records five.)"""
-    w = torch.randn(8, 8, requires_grad=True)
-    x = torch.randn(4, 8)
+class StepProfiler:
+    """Runs the plan's profiled steps (loop.plan), a few at a time, each few in a
+    profiler session of its own. No warm-up step: a session's first step costs no more
+    than the next (within 2% here, under step-to-step noise), and what it does cost is
+    in the measured `profiler_cost`."""
 
-    def loop() -> float:
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            (x @ w).relu().sum().backward()
-            with torch.no_grad():
-                w.sub_(w.grad, alpha=0.01)
-            w.grad = None
-        return time.perf_counter() - t0
+    def __init__(self, strategy: Strategy, batches, ctx: Context) -> None:
+        self.strategy, self.batches, self.ctx = strategy, batches, ctx
+        self.sync = synchronizer(strategy.devices())
+        self.timed_fetch = getattr(batches, "timed_fetch", False)
+        self.activities = [ProfilerActivity.CPU]
+        if ctx.device.type == "cuda":
+            self.activities.append(ProfilerActivity.CUDA)
+        self.sessions: list[profile] = []
+        self.cpu_s: list[float] = []
 
-    loop()  # first calls warm the dispatcher and autograd, not the profiler
-    extra, events = [], 0
-    for _ in range(rounds):
-        bare = loop()
-        with profile(activities=activities) as prof:
-            watched = loop()
-        extra.append(watched - bare)
-        events = events or len(prof.events())  # the same each round; counting is slow
-    return max(0.0, statistics.median(extra) / max(1, events))
+    def run(self, steps: list[int]) -> None:
+        self.sync()
+        session = profile(activities=self.activities)
+        session.start()
+        for step in steps:
+            self.cpu_s.append(_run(self.strategy, self.batches, step, self.sync, self.timed_fetch))
+        session.stop()
+        self.sessions.append(session)
+
+    def finish(self, next_step: int, out: Path) -> Profiled:
+        """Keep this rank's trace (every session's events in one file), then profile
+        one more step, `next_step`, with memory and tensor shapes (the CPU peak, and the
+        bytes each collective moves): recording those works on every allocation and op,
+        so that step has a session of its own and stays out of the anatomy."""
+        events: list[dict] = []
+        for i, session in enumerate(self.sessions):
+            # one clock for all sessions: their events merge into one timeline
+            events += [e for e in _exported(session) if i == 0 or e.get("ph") != "M"]
+        name = f"trace-rank{self.ctx.rank}.json.gz"
+        out.mkdir(parents=True, exist_ok=True)
+        tmp = out / f".{name}.tmp"
+        try:
+            with gzip.open(tmp, "wt") as f:
+                json.dump({"traceEvents": events}, f)
+            tmp.replace(out / name)  # whole or absent, never half-written
+        finally:
+            tmp.unlink(missing_ok=True)
+        with profile(
+            activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True
+        ) as m:
+            _run(self.strategy, self.batches, next_step, self.sync, self.timed_fetch)
+        counted = _exported(m)
+        return Profiled(name, events, cpu_alloc_peak(counted), counted, self.cpu_s)
+
+
+def profiler_cost(profiled_cpu: list[float], timed_cpu: list[float], share: float) -> float:
+    """Seconds the profiler adds to a profiled step, from what it costs the CPU: the main
+    thread's CPU time in a recorded step over that in a timed one (medians; the two
+    interleave, so drift hits both alike), times `share`, the cores' oversubscription
+    (threads wanting a core / cores, at least 1): work added to every rank on cores
+    they share stretches each one's step by that much more. 0 without both."""
+    if not profiled_cpu or not timed_cpu:
+        return 0.0
+    extra = statistics.median(profiled_cpu) - statistics.median(timed_cpu)
+    return max(0.0, extra) * max(1.0, share)
 
 
 def _exported(prof) -> list[dict]:

@@ -37,7 +37,8 @@ STEP_COLUMNS: dict[str, str] = {
     "strategy": "strategy name",
     "devices": "devices (GPUs, or CPU processes / stage slots) the cell used",
     "repeat": "index of the separate launch this cell was",
-    "step": "optimizer step index, from 0, warm-up included",
+    "step": "optimizer step index, from 0, warm-up included; the profiled steps between "
+    "timed runs take the missing indices",
     "phase": "'warmup' (excluded from statistics) or 'timed'",
     "step_time_s": "wall time of the step, synchronized; max over ranks",
     "step_time_min_s": "fastest rank's time for the same step (rank skew = max - min)",

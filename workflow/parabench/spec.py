@@ -154,7 +154,7 @@ class RunSpec:
     batch_size: int  # global batch (strong scaling) or per-device batch (weak)
     steps: int = 20  # optimizer steps in total, warm-up included
     warmup: int = 5  # leading steps left out of the timings
-    profile_steps: int = 5  # extra steps under torch.profiler after the timed ones
+    profile_steps: int = 5  # extra steps under torch.profiler, between the timed ones
     repeat: int = 0
     scaling: str = "strong"
     accum_steps: int = 2
