@@ -1,10 +1,14 @@
-"""Profiled steps: a few extra steps under torch.profiler, after the timed steps.
+"""Profiled steps: a few extra steps under torch.profiler, between the timed steps.
 
 Timed steps are never profiled (the profiler adds work to every op); these extra steps
-run after the timed ones and after the parameters for the equivalence check are saved,
-on the same strategy and fresh batches. Each rank keeps its trace beside the cell's
-records (Chrome trace JSON, gzipped: open it in https://ui.perfetto.dev) and reads from
-it what the timings alone cannot tell.
+run between runs of them (loop.plan), on the same strategy and batches of their own.
+Each rank keeps its trace beside the cell's records (Chrome trace JSON, gzipped: open it
+in https://ui.perfetto.dev) and reads from it what the timings alone cannot tell.
+
+The profiler's own cost is measured, not assumed: what a recorded step costs the main
+thread's CPU over what a timed step does (`profiler_cost`). A per-event cost calibrated
+on a loop of small ops missed it by up to 5x: with four ranks on two cores every rank's
+profiler work also keeps another rank from a core.
 
 Memory on CPU: torch.profiler's memory events carry the allocator's running total of
 bytes allocated since profiling began. What a step needs at its peak is what was
