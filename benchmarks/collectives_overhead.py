@@ -30,10 +30,9 @@ from parabench import runtime, strategies
 from parabench.anatomy import STEP_MARK
 from parabench.collectives import time_op
 from parabench.data import SyntheticBatches
-from parabench.envinfo import usable_cores
 from parabench.loop import synchronizer
 from parabench.models import build
-from parabench.profiling import profiler_cost
+from parabench.profiling import oversubscription, profiler_cost
 from parabench.spec import ModelSpec, RunSpec
 
 SIZE = 16 * 2**20
@@ -105,7 +104,7 @@ def worker(args: argparse.Namespace) -> None:
         t, c = ddp_steps(ctx, spec, args.steps, profiled=True)
         prof.append(t)
         prof_cpu.append(c)
-    share = ctx.world_size * ctx.threads / usable_cores()
+    share = oversubscription(ctx)
     estimate = profiler_cost(prof_cpu, plain_cpu, share)
     if ctx.is_main:
         o, b = statistics.median(ours), statistics.median(bare)

@@ -178,9 +178,8 @@ def anatomy(
         in_ops = 0.0 if on_gpu or not outer + inner else cost * inner / (outer + inner)
         within = min(parts["compute_s"], in_ops)
         gaps = min(parts["other_s"], cost - within)
-        within = min(parts["compute_s"], cost - gaps)  # what the gaps could not hold
-        if on_gpu:
-            within = 0.0
+        if not on_gpu:  # what the gaps could not hold lengthened the ops
+            within = min(parts["compute_s"], cost - gaps)
         parts["other_s"] -= gaps
         parts["compute_s"] -= within
         parts["profiler_s"] = gaps + within

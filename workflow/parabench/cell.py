@@ -179,12 +179,9 @@ def _run(spec: RunSpec, ctx: runtime.Context, out: Path, common: dict, t_start: 
     state = strategy.full_state()  # after every step of the plan, before the memory step
     profiled = profiler.finish(len(steps), out)
     list_bytes = 2 if spec.precision == "bf16" and spec.record.sends == "activations" else 4
-    # ranks on this host x threads each over its cores: how much the profiler's work on
-    # one rank also delays the others (see profiling.profiler_cost)
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", str(ctx.world_size)))
-    share = local * ctx.threads / envinfo.usable_cores()
-    timed_cpu = [c for c, p in zip(measured.cpu_s, measured.phases, strict=True) if p == "timed"]
-    profiler_s = profiling.profiler_cost(profiled.cpu_s, timed_cpu, share)
+    profiler_s = profiling.profiler_cost(
+        profiled.cpu_s, measured.timed_cpu_s, profiling.oversubscription(ctx)
+    )
     per_rank = all_ranks(
         {
             "times": measured.times,

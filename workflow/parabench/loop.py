@@ -67,8 +67,8 @@ def plan(steps: int, warmup: int, profile_steps: int) -> list[str]:
 
 
 class Profiler(Protocol):
-    def run(self, steps: list[int]) -> None:
-        """Run these steps (a plan's consecutive PROFILED ones) in one profiler session."""
+    def run(self, step: int, last: bool) -> None:
+        """Run a PROFILED step; `last`: the last of its session (the next step is not)."""
 
 
 @dataclass
@@ -80,6 +80,10 @@ class Measured:
     steps: list[int] = field(default_factory=list)  # each one's index in the plan
     phases: list[str] = field(default_factory=list)  # WARMUP or TIMED
     cpu_s: list[float] = field(default_factory=list)  # the main thread's CPU time
+
+    @property
+    def timed_cpu_s(self) -> list[float]:
+        return [c for c, p in zip(self.cpu_s, self.phases, strict=True) if p == TIMED]
 
 
 def measure(
@@ -100,11 +104,7 @@ def measure(
         if step == fault_step:  # test-only; before the timer, so it costs the step nothing
             fault.fire()
         if kind == PROFILED:
-            if step == 0 or kinds[step - 1] != PROFILED:  # a session: all of them at once
-                run = step
-                while run < len(kinds) and kinds[run] == PROFILED:
-                    run += 1
-                profiler.run(list(range(step, run)))
+            profiler.run(step, last=kinds[step + 1 : step + 2] != [PROFILED])
             continue
         if not timed_fetch:
             x, y = batches.batch(step)

@@ -32,6 +32,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from parabench.anatomy import DATA_MARK, STEP_MARK
+from parabench.envinfo import usable_cores
 from parabench.loop import synchronizer
 from parabench.runtime import Context
 from parabench.strategies.base import Strategy
@@ -75,17 +76,20 @@ class StepProfiler:
         self.activities = [ProfilerActivity.CPU]
         if ctx.device.type == "cuda":
             self.activities.append(ProfilerActivity.CUDA)
-        self.sessions: list[profile] = []
+        self.sessions: list[profile] = []  # the last one open while its steps run
         self.cpu_s: list[float] = []
+        self._open = False
 
-    def run(self, steps: list[int]) -> None:
-        self.sync()
-        session = profile(activities=self.activities)
-        session.start()
-        for step in steps:
-            self.cpu_s.append(_run(self.strategy, self.batches, step, self.sync, self.timed_fetch))
-        session.stop()
-        self.sessions.append(session)
+    def run(self, step: int, last: bool) -> None:
+        if not self._open:
+            self.sync()
+            self.sessions.append(profile(activities=self.activities))
+            self.sessions[-1].start()
+            self._open = True
+        self.cpu_s.append(_run(self.strategy, self.batches, step, self.sync, self.timed_fetch))
+        if last:
+            self.sessions[-1].stop()
+            self._open = False
 
     def finish(self, next_step: int, out: Path) -> Profiled:
         """Keep this rank's trace (every session's events in one file), then profile
@@ -111,6 +115,11 @@ class StepProfiler:
             _run(self.strategy, self.batches, next_step, self.sync, self.timed_fetch)
         counted = _exported(m)
         return Profiled(name, events, cpu_alloc_peak(counted), counted, self.cpu_s)
+
+
+def oversubscription(ctx: Context) -> float:
+    """Threads this host's ranks want (ranks x threads each) over its cores."""
+    return ctx.local_world * ctx.threads / usable_cores()
 
 
 def profiler_cost(profiled_cpu: list[float], timed_cpu: list[float], share: float) -> float:

@@ -31,6 +31,7 @@ class Context:
     device: torch.device  # this process's own device (cuda:LOCAL_RANK or cpu)
     threads: int
     distributed: bool  # a process group exists
+    local_world: int = 1  # processes on this host (LOCAL_WORLD_SIZE)
 
     @property
     def is_main(self) -> bool:
@@ -94,7 +95,7 @@ def start(spec: RunSpec) -> Context:
                 backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
             )
         distributed = True
-    return Context(rank, world, local_rank, device, threads, distributed)
+    return Context(rank, world, local_rank, device, threads, distributed, local_world)
 
 
 def finish(ctx: Context) -> None:
