@@ -84,6 +84,16 @@ def test_cell_timeout_kills_a_hang_outside_any_collective(tmp_path):
     assert left.returncode == 1, "no process of the killed cell may survive"
 
 
+def test_a_single_process_killed_by_a_signal_says_where_python_was(tmp_path):
+    spec = tiny_spec("single", 1)
+    _, meta, _ = guarded(tmp_path, spec, "abort@tiny/single/n1/r0:rank=0:step=1")
+    assert meta["status"] == "failed"
+    assert meta["reason"].startswith(
+        "launcher killed by signal SIGABRT without a record; Python was at faults.py:"
+    ), meta["reason"]
+    assert meta["reason"].endswith(" in fire"), meta["reason"]
+
+
 def test_malformed_fault_spec_is_refused(tmp_path):
     spec = tiny_spec("single", 1)
     _, meta, _ = guarded(tmp_path, spec, "explode@everything")
@@ -102,7 +112,13 @@ CELL_TIMEOUT = 120
         ("hang", "fsdp", {}, "rank 0: "),
         ("oom", "zero1", {}, "rank 1: OutOfMemoryError: injected"),
         ("hang", "zero1", {}, "rank 0: "),
-        ("crash", "tp", {"model": TINY_RES}, "torchrun: rank 1 failed first (exit code 13)"),
+        (  # what a native abort looks like (a failed check, a corrupted heap)
+            "abort",
+            "tp",
+            {"model": TINY_RES},
+            "torchrun: rank 1 failed first (killed by signal SIGABRT) without a Python "
+            "exception; Python was at faults.py:",
+        ),
         ("hang", "tp", {"model": TINY_RES}, "rank 0: "),
         ("oom", "pipeline", {"model": MINE, "model_name": "mine"}, "OutOfMemoryError: injected"),
     ],

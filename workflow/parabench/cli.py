@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import faulthandler
 import json
 import sys
 from pathlib import Path
@@ -158,6 +159,9 @@ def main(argv: list[str] | None = None) -> int:
             return record_static_skip(spec, args.out, reason)
         from parabench.cell import run_cell
 
+        # A rank killed by a signal (a segfault, an abort in native code) prints every
+        # thread's Python stack into the cell's log; the guard names the innermost frame.
+        faulthandler.enable()
         return run_cell(spec, args.out)
     if args.command == "guard":
         from parabench.guard import guard

@@ -4,7 +4,9 @@ Set PARABENCH_FAULT to `KIND@MODEL/STRATEGY/nDEVICES/rREPEAT:rank=R:step=S`, e.g
 `hang@tiny/ddp/n2/r0:rank=1:step=2`. Only the named cell and rank are affected; every
 other cell of a sweep runs normally. The check runs before the step's timer starts.
 
-- crash: the rank dies at once with exit code 13, like a segfault (no Python cleanup)
+- crash: the rank dies at once with exit code 13 (no Python cleanup)
+- abort: the rank dies of SIGABRT, as native code does on a failed check or a
+         corrupted heap (faulthandler prints where Python was)
 - hang:  the rank sleeps forever, so its peers wait in the gradient all-reduce until
          the process-group timeout (timeout_s) or the cell timeout (cell_timeout_s)
 - oom:   the rank raises torch.OutOfMemoryError, the exception a real CUDA OOM raises
@@ -18,7 +20,9 @@ import time
 from dataclasses import dataclass
 
 ENV = "PARABENCH_FAULT"
-_FORMAT = re.compile(r"^(crash|hang|oom)@([^/]+)/([^/]+)/n(\d+)/r(\d+):rank=(\d+):step=(\d+)$")
+_FORMAT = re.compile(
+    r"^(crash|abort|hang|oom)@([^/]+)/([^/]+)/n(\d+)/r(\d+):rank=(\d+):step=(\d+)$"
+)
 
 
 @dataclass(frozen=True)
@@ -30,6 +34,8 @@ class Fault:
     def fire(self) -> None:
         if self.kind == "crash":
             os._exit(13)
+        if self.kind == "abort":
+            os.abort()
         if self.kind == "hang":
             while True:
                 time.sleep(3600)

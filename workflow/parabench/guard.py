@@ -44,6 +44,18 @@ def last_error(lines: list[str]) -> str:
 _ROOT = re.compile(r"Root Cause.*?rank\s*:\s*(\d+).*?exitcode\s*:\s*(-?\d+)", re.S)
 
 
+_FRAME = re.compile(r'File "(.+?)", line (\d+) in (\S+)')
+
+
+def python_frame(lines: list[str]) -> str:
+    """Where Python was when a process died of a signal, from faulthandler's dump
+    (`parabench run` enables it): the innermost frame of the thread that got it."""
+    for i, line in enumerate(lines[:-1]):
+        if line.startswith("Current thread ") and (m := _FRAME.search(lines[i + 1])):
+            return f"{Path(m[1]).name}:{m[2]} in {m[3]}"
+    return ""
+
+
 def root_cause(lines: list[str], errors: list[dict], world: int | None) -> str:
     """The failure's root cause, in one line: the first failing rank's exception type
     and message (from its error-rank<R>.json), or, for a rank that died without one,
@@ -58,6 +70,8 @@ def root_cause(lines: list[str], errors: list[dict], world: int | None) -> str:
     code = int(m.group(2))
     how = f"killed by signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
     cause = f"torchrun: rank {first} failed first ({how}) without a Python exception"
+    if code < 0 and (where := python_frame(lines)):
+        cause += f"; Python was at {where}"
     if line := last_error([ln for ln in lines if ln.startswith(f"[rank{first}]:")]):
         cause += f"; its last error line: {line.removeprefix(f'[rank{first}]:').strip()}"
     if errors:  # what the others then saw: a symptom, kept as a clue
@@ -169,7 +183,9 @@ def guard(out: Path, cmd: list[str], timeout_s: float, fields: dict) -> int:
             return 0
     else:
         reason = cause or f"launcher {_describe_exit(rc)} without a record"
-        if not cause and (err := last_error(tail_lines)):
+        if not cause and rc < 0 and (where := python_frame(tail_lines)):
+            reason += f"; Python was at {where}"
+        elif not cause and (err := last_error(tail_lines)):
             reason += f"; last error: {err}"
     write = (
         records.write_meta_only if fields.get("kind") == "collectives" else records.write_outcome
