@@ -182,6 +182,9 @@ def test_the_critical_step_is_the_median_of_each_steps_slowest_rank():
     fast, slow = [step(1), step(5), step(3)], [step(2), step(4), step(9)]
     # per step the slowest rank: 2, 5, 9 -> the median step is rank 0's second
     assert anatomy.critical([fast, slow]) == step(5)
+    # of an even number, the middle two averaged part by part: still a whole step
+    even = [step(1), step(5), step(3), step(7)]
+    assert anatomy.critical([even]) == {"step_s": 4, "compute_s": 4}
 
 
 def test_volume_reads_sizes_the_nccl_tests_way():
@@ -292,12 +295,12 @@ def test_the_model_predicts_ddp_from_single_and_the_curve():
 def test_the_profiled_steps_interleave_with_the_timed_ones():
     from parabench.loop import PROFILED, TIMED, WARMUP, plan
 
-    kinds = plan(steps=20, warmup=4, profile_steps=12)
+    kinds = plan(steps=28, warmup=4, profile_steps=18)
     assert kinds[:4] == [WARMUP] * 4
-    assert kinds.count(TIMED) == 16 and kinds.count(PROFILED) == 12
-    # six sessions of two, one after each run of timed steps, the runs nearly equal
-    runs = "".join(k[0] for k in kinds[4:]).split("pp")
-    assert [r.strip("w") for r in runs] == ["tt", "ttt", "ttt", "tt", "ttt", "ttt", ""]
+    assert kinds.count(TIMED) == 24 and kinds.count(PROFILED) == 18
+    # six sessions of three, one after each run of timed steps, the runs equal
+    runs = "".join(k[0] for k in kinds[4:]).split("ppp")
+    assert [r.strip("w") for r in runs] == ["tttt"] * 6 + [""]
     # a warm-up step after every session but the last, so none starts a timed run skewed
     assert kinds.count(WARMUP) == 4 + 5 and kinds[-1] == PROFILED
     assert plan(5, 2, 0) == [WARMUP, WARMUP, TIMED, TIMED, TIMED]

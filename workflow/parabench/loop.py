@@ -40,7 +40,7 @@ def synchronizer(devices: list[torch.device]) -> Callable[[], None]:
 WARMUP, TIMED, PROFILED = "warmup", "timed", "profiled"
 
 
-PER_SESSION = 2  # profiled steps recorded back to back in one profiler session
+PER_SESSION = 3  # profiled steps recorded back to back in one profiler session
 
 
 def plan(steps: int, warmup: int, profile_steps: int) -> list[str]:
