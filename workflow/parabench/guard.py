@@ -3,7 +3,8 @@
 The workflow wraps every launch: `parabench guard --out DIR --timeout S -- torchrun ...`.
 - The cell wrote meta.json (ok, skipped, or a failure rank 0 caught): keep it, exit 0.
 - It died without one (a rank killed, rank 0 crashed, torchrun failed): record `failed`
-  with the exit status and the last error line of its output, exit 0.
+  with the exit status and the last error line of its output (for a signal, where
+  Python was: faulthandler's dump), exit 0.
 - It ran past the timeout (a hang outside any collective timeout): kill its whole
   process group, record `failed` with the timeout, exit 0.
 - The guard itself is interrupted (Ctrl-C, scancel, Snakemake stopping): pass the signal
