@@ -9,7 +9,8 @@ Prints, from one torchrun job of n ranks on this machine:
   stays out of the timed steps; beside it, what the anatomy takes out of the parts as
   the profiler's cost (`profiling.profiler_cost`: the main thread's extra CPU time per
   step, times the cores' oversubscription).
-Rounds alternate the two sides so drift on a shared machine hits both alike.
+Rounds interleave the two sides, each first in every other round, so drift on a
+shared machine and the order they run in hit both alike.
 
 Usage: python benchmarks/collectives_overhead.py [--devices 2] [--device cpu|cuda]
 """
@@ -91,19 +92,23 @@ def worker(args: argparse.Namespace) -> None:
             f"{ctx.world_size} ranks on {ctx.device.type} ({dist.get_backend()}), "
             f"{ctx.threads} threads each, torch {torch.__version__}; {args.rounds} rounds"
         )
+    # Each round runs both sides, which one first alternating: the one that runs second
+    # finds the buffers, caches and the peer's timing the first left behind.
     ours, bare = [], []
-    for _ in range(args.rounds):
+    iters = time_op("all_reduce", SIZE, ctx.device, min_time_s=0.2)[1]
+    for r in range(args.rounds):
+        if r % 2:
+            bare.append(bare_all_reduce(ctx.device, iters))
         t, iters = time_op("all_reduce", SIZE, ctx.device, min_time_s=0.2)
         ours.append(t)
-        bare.append(bare_all_reduce(ctx.device, iters))
+        if not r % 2:
+            bare.append(bare_all_reduce(ctx.device, iters))
     plain, prof, plain_cpu, prof_cpu = [], [], [], []
-    for _ in range(args.rounds):
-        t, c = ddp_steps(ctx, spec, args.steps, profiled=False)
-        plain.append(t)
-        plain_cpu.append(c)
-        t, c = ddp_steps(ctx, spec, args.steps, profiled=True)
-        prof.append(t)
-        prof_cpu.append(c)
+    for r in range(args.rounds):
+        for profiled in (False, True) if r % 2 == 0 else (True, False):
+            t, c = ddp_steps(ctx, spec, args.steps, profiled=profiled)
+            (prof if profiled else plain).append(t)
+            (prof_cpu if profiled else plain_cpu).append(c)
     share = oversubscription(ctx)
     estimate = profiler_cost(prof_cpu, plain_cpu, share)
     if ctx.is_main:
