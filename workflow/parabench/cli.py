@@ -146,6 +146,10 @@ def main(argv: list[str] | None = None) -> int:
     grd.add_argument("cmd", nargs=argparse.REMAINDER, help="-- then the launch command")
 
     args = parser.parse_args(argv)
+    if args.command in ("run", "collectives"):  # the commands the ranks run
+        # A rank killed by a signal (a segfault, an abort in native code) prints every
+        # thread's Python stack into its log; the guard names the innermost frame.
+        faulthandler.enable()
     if args.command == "run":
         try:
             spec = _spec_from(args)
@@ -159,9 +163,6 @@ def main(argv: list[str] | None = None) -> int:
             return record_static_skip(spec, args.out, reason)
         from parabench.cell import run_cell
 
-        # A rank killed by a signal (a segfault, an abort in native code) prints every
-        # thread's Python stack into the cell's log; the guard names the innermost frame.
-        faulthandler.enable()
         return run_cell(spec, args.out)
     if args.command == "guard":
         from parabench.guard import guard

@@ -50,7 +50,8 @@ _FRAME = re.compile(r'File "(.+?)", line (\d+) in (\S+)')
 
 def python_frame(lines: list[str]) -> str:
     """Where Python was when a process died of a signal, from faulthandler's dump
-    (`parabench run` enables it): the innermost frame of the thread that got it."""
+    (`parabench run` and `collectives` enable it): the innermost frame of the thread
+    that got it."""
     for i, line in enumerate(lines[:-1]):
         if line.startswith("Current thread ") and (m := _FRAME.search(lines[i + 1])):
             return f"{Path(m[1]).name}:{m[2]} in {m[3]}"

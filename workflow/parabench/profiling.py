@@ -72,24 +72,24 @@ class StepProfiler:
     def __init__(self, strategy: Strategy, batches, ctx: Context) -> None:
         self.strategy, self.batches, self.ctx = strategy, batches, ctx
         self.sync = synchronizer(strategy.devices())
-        self.timed_fetch = getattr(batches, "timed_fetch", False)
+        self.timed_fetch = batches.timed_fetch
         self.activities = [ProfilerActivity.CPU]
         if ctx.device.type == "cuda":
             self.activities.append(ProfilerActivity.CUDA)
-        self.sessions: list[profile] = []  # the last one open while its steps run
+        self.sessions: list[profile] = []
+        self.live: profile | None = None  # the session whose steps are running
         self.cpu_s: list[float] = []
-        self._open = False
 
     def run(self, step: int, last: bool) -> None:
-        if not self._open:
+        if self.live is None:
             self.sync()
-            self.sessions.append(profile(activities=self.activities))
-            self.sessions[-1].start()
-            self._open = True
+            self.live = profile(activities=self.activities)
+            self.live.start()
+            self.sessions.append(self.live)
         self.cpu_s.append(_run(self.strategy, self.batches, step, self.sync, self.timed_fetch))
         if last:
-            self.sessions[-1].stop()
-            self._open = False
+            self.live.stop()
+            self.live = None
 
     def finish(self, next_step: int, out: Path) -> Profiled:
         """Keep this rank's trace (every session's events in one file), then profile
