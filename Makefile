@@ -32,6 +32,7 @@ run: $(STAMP)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
+	$(BIN)/lint-imports
 	$(BIN)/ruff format --check .
 	$(BIN)/snakefmt --check Snakefile workflow/rules/
 	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/snakemake --lint

@@ -1,4 +1,5 @@
-"""Shared test helpers: launching real cells (torchrun ranks where the strategy has them)."""
+"""Shared test helpers: the tiny model and workflow config every test starts from, and
+launching real cells (torchrun ranks where the strategy has them)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,10 @@ from parabench.spec import ModelSpec, RunSpec
 
 REPO = Path(__file__).resolve().parents[1]
 # Small enough for 2 cores, deep enough (6 blocks) to cut into 4 stages.
-TINY_MLP = ModelSpec.of("mlp", dims=[48, 32, 24, 16, 8, 4, 1])
+TINY_DIMS = [48, 32, 24, 16, 8, 4, 1]
+TINY_MLP = ModelSpec.of("mlp", dims=TINY_DIMS)
+# The same model as a workflow config's model entry.
+TINY_ENTRY = {"arch": "mlp", "dims": TINY_DIMS, "batch_size": 64}
 # The equivalence tests' SGD learning rate: large, so parameters move far and a wrong
 # gradient scale cannot hide. Tests that read other records of the same cells use it too,
 # so that each cell is launched once (see `cells`).
@@ -26,7 +30,11 @@ SGD_LR = 0.5
 
 
 def tiny_spec(strategy: str, devices: int, **kw) -> RunSpec:
-    opts = {
+    """A cell of the tiny model on CPU; keywords that are not RunSpec fields are the
+    strategy's own options (accum_steps=4, microbatches=2, ...)."""
+    fields = set(RunSpec.__dataclass_fields__)
+    options = tuple(sorted((k, v) for k, v in kw.items() if k not in fields))
+    settings = {
         "model_name": "tiny",
         "model": TINY_MLP,
         "batch_size": 64,
@@ -34,21 +42,45 @@ def tiny_spec(strategy: str, devices: int, **kw) -> RunSpec:
         "warmup": 1,
         "device": "cpu",
         "timeout_s": 60.0,
-        **kw,
+        **{k: v for k, v in kw.items() if k in fields},
     }
-    return RunSpec(strategy=strategy, devices=devices, **opts)
+    return RunSpec(strategy=strategy, devices=devices, options=options, **settings)
 
 
-def launch_argv(spec: RunSpec, out: Path) -> list[str]:
-    """The command the workflow would run for this cell, with this interpreter."""
-    return launch.launch_argv(spec, out, python=sys.executable)
+def tiny_config(**over) -> dict:
+    """A workflow config of the tiny model on CPU, few steps, single and DDP at 1 and 2
+    devices; tests override what they are about."""
+    return {
+        "device": "cpu",
+        "models": {"tiny": dict(TINY_ENTRY)},
+        "strategies": ["single", "ddp"],
+        "devices": [1, 2],
+        "repeats": 1,
+        "steps": 5,
+        "warmup": 1,
+        "profile_steps": 4,
+        "timeout_s": 60,
+        "cell_timeout_s": 240,
+        **over,
+    }
+
+
+def cell_argv(spec: RunSpec, out: Path) -> list[str]:
+    """The processes a cell's launch starts (torchrun where it has ranks), with this
+    interpreter; no guard around them."""
+    return launch.cell_argv(spec, out, python=sys.executable)
+
+
+def launch_argv(spec: RunSpec, out: Path, cell_timeout_s: float = 180) -> list[str]:
+    """`parabench launch` of the cell, as the workflow runs it, with this interpreter."""
+    return launch.launch_command(spec, out, cell_timeout_s, python=sys.executable)
 
 
 def run_cell(
     spec: RunSpec, out: Path, timeout: float = 180
 ) -> tuple[dict, subprocess.CompletedProcess]:
     proc = subprocess.run(
-        launch_argv(spec, out),
+        cell_argv(spec, out),
         capture_output=True,
         text=True,
         timeout=timeout,

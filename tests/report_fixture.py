@@ -11,7 +11,6 @@ import torch
 from conftest import REPO
 from parabench import records
 from parabench.aggregate import aggregate
-from parabench.config import cell_path
 from parabench.report import render
 from parabench.spec import ModelSpec, RunSpec
 
@@ -65,7 +64,7 @@ def make_results(
                 repeat=r,
                 device="cpu",
             )
-            out = root / cell_path(spec)
+            out = root / spec.path
             ident = spec.identity()
             fields = spec.record_fields()
             env = {
@@ -91,7 +90,7 @@ def make_results(
                 }
                 for i, t in enumerate(times)
             ]
-            ranks = n if spec.record.uses_torchrun(n) else 1
+            ranks = spec.ranks
             reference = (
                 {"param_travel": TRAVEL, "reorder_rel_diff": REORDER_REL}
                 if strategy == "single"

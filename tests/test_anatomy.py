@@ -256,7 +256,7 @@ def summary_row(strategy, devices, step, **kw) -> dict:
         "processes": devices,
         "threads_per_rank": 1,
         "usable_cores": 16,
-        "microbatches": 4,
+        "options": "",
     }
     return {**row, **kw}
 
@@ -275,7 +275,14 @@ def test_the_model_predicts_ddp_from_single_and_the_curve():
                 comm_by_op=json.dumps({"all_reduce": {"count": 1, "bytes": 1e6}}),
             ),
             # a pipeline: 50 ms per stage, bubble (2-1)/4 of it
-            summary_row("pipeline", 2, 0.200, compute_s=0.05, bubble_s=0.0125),
+            summary_row(
+                "pipeline",
+                2,
+                0.200,
+                compute_s=0.05,
+                bubble_s=0.0125,
+                options=json.dumps({"microbatches": 4}),
+            ),
         ]
     )
     out = summary.join(

@@ -18,10 +18,9 @@ from hypothesis import strategies as st
 from hypothesis_jsonschema import from_schema
 
 from parabench.catalog import STRATEGIES
-from parabench.cli import spec_from_launch
-from parabench.config import cells, problems
-from parabench.launch import launch_argv
-from parabench.sweep import SCHEMA, ConfigError, checked
+from parabench.checks import problems as spec_problems
+from parabench.config import SCHEMA, ConfigError, cells, checked, problems
+from parabench.spec import RunSpec
 
 REPO = Path(__file__).resolve().parents[1]
 FULL = yaml.safe_load(SCHEMA.read_text())
@@ -62,6 +61,20 @@ def drawing_schema() -> dict:
     p["devices"].update(maxItems=3, items={"type": "integer", "minimum": 1, "maximum": 8})
     p["repeats"]["maximum"] = 2
     p["results"] = {"enum": ["results", "out/a", "../outside"]}
+    # each strategy's options: real names and a wrong one, right and wrong values
+    p["options"] = {
+        "type": "object",
+        "maxProperties": 2,
+        "propertyNames": {"enum": [*STRATEGIES, "zero4"]},
+        "additionalProperties": {
+            "type": "object",
+            "maxProperties": 2,
+            "propertyNames": {
+                "enum": ["microbatches", "schedule", "accum_steps", "reshard_after_forward", "x"]
+            },
+            "additionalProperties": {"enum": [1, 2, 3, "gpipe", "1f1b", True, "no"]},
+        },
+    }
     return s
 
 
@@ -92,9 +105,9 @@ def plan(config: dict) -> list[str]:
         return found
     for cell in cells(full):
         spec = cell.spec
-        assert spec.problems() == [], (spec, spec.problems())
+        assert spec_problems(spec) == [], (spec, spec_problems(spec))
         if spec.repeat == 0:  # repeats differ only in their index
-            assert spec_from_launch(launch_argv(spec, "out")) == spec, "the launch loses a setting"
+            assert RunSpec.from_argv(spec.to_argv()) == spec, "the launch loses a setting"
     return []
 
 

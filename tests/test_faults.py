@@ -1,10 +1,9 @@
 """Crashes, hangs, OOMs and timeouts end in bounded time as a recorded `failed` cell with
-its cause; real torchrun ranks, real `parabench guard`, as the workflow runs them."""
+its cause; real torchrun ranks, real `parabench launch`, as the workflow runs them."""
 
 import json
 import os
 import subprocess
-import sys
 import time
 
 import pytest
@@ -19,18 +18,7 @@ PG_TIMEOUT = 5  # seconds: the process-group timeout a hung collective must hit
 
 def guarded(tmp_path, spec, fault: str, cell_timeout: float = 120, env: dict | None = None):
     out = tmp_path / "cell"
-    cmd = [
-        sys.executable,
-        "-m",
-        "parabench",
-        "guard",
-        "--out",
-        str(out),
-        "--timeout",
-        str(cell_timeout),
-        "--",
-        *launch_argv(spec, out),
-    ]
+    cmd = launch_argv(spec, out, cell_timeout)
     t0 = time.monotonic()
     proc = subprocess.run(
         cmd,

@@ -3,7 +3,9 @@ import itertools
 from torch import nn
 
 from parabench.flops import block_flops, step_flops
-from parabench.models import Model, build, features_batch
+from parabench.models import build
+from parabench.models.base import Model
+from parabench.models.presets import features_batch
 from parabench.spec import ModelSpec
 
 

@@ -9,7 +9,9 @@ import torch
 
 from parabench.config import problems
 from parabench.flops import step_flops
-from parabench.models import build, maths_notes
+from parabench.models import PRESETS, build, facts
+from parabench.models.base import maths_notes
+from parabench.models.custom import tp_widths
 from parabench.spec import ModelSpec
 
 GPT = ModelSpec.of("gpt", vocab=256, seq_len=64, n_layer=4, n_head=4, d_model=64)
@@ -29,7 +31,7 @@ def test_gpt_flops_per_step_equal_the_analytic_count_with_attention():
 
 def test_gpt_shape_blocks_and_plan():
     model = build(GPT, 0)
-    assert len(model.blocks) == GPT.n_blocks() == 4 + 2  # embedding, layers, head
+    assert len(model.blocks) == facts(GPT).n_blocks == 4 + 2  # embedding, layers, head
     x, y = model.batch(3, torch.Generator().manual_seed(0))
     assert x.shape == y.shape == (3, 64) and x.dtype == torch.long
     assert torch.equal(x[:, 1:], y[:, :-1]), "targets are the next tokens"
@@ -63,9 +65,41 @@ def test_gpt_heads_must_split_over_tensor_parallel_ranks():
         "repeats": 1,
     }
     found = problems(cfg)
-    assert any(p.startswith("models.g.n_head: 6 attention heads") for p in found), found
+    assert any(
+        p.startswith("models.g.n_head: tensor parallel splits attention heads 6") for p in found
+    ), found
     cfg["models"]["g"]["d_model"] = 50
     assert any("models.g.d_model: 50 is not divisible by n_head" in p for p in problems(cfg))
+
+
+SIZES = {
+    "mlp": [{}, {"dims": [30, 12, 8, 6, 1]}, {"dims": [16, 6, 1]}],
+    "seqnet": [{}, {"dims": [20, 10, 4]}],
+    "resmlp": [{"d_in": 8, "width": 6, "depth": 3, "classes": 4}],
+    "gpt": [{"vocab": 32, "seq_len": 8, "n_layer": 3, "n_head": 6, "d_model": 12}],
+}
+
+
+@pytest.mark.parametrize(
+    "arch, sizes", [(a, s) for a in PRESETS for s in SIZES[a]], ids=lambda v: str(v)[:20]
+)
+def test_a_presets_planning_facts_are_those_of_the_model_it_builds(arch, sizes):
+    """facts.py answers planning without torch; the builder must agree with it: the
+    blocks a stage cut falls between, and which device counts tensor parallelism can
+    split the planned layers over (a gpt's heads: its q/k/v widths over head_dim)."""
+    spec = ModelSpec.of(arch, **sizes)
+    with torch.device("meta"):
+        model = build(spec, 0)
+    known = facts(spec)
+    assert known.n_blocks == len(model.blocks)
+    assert known.has_tp_plan == bool(model.tp_plan)
+    widths = tp_widths(model)
+    if arch == "gpt":  # heads split whole: the q, k, v widths in units of one head
+        head_dim = spec.size_dict()["d_model"] // spec.size_dict()["n_head"]
+        widths = tuple(dict.fromkeys(w // head_dim for w in widths))
+    for devices in range(1, 9):
+        splits = all(w % devices == 0 for w in widths)
+        assert (known.tp_problem(devices) is None) == splits, (devices, widths)
 
 
 FACTORIES = {

@@ -61,9 +61,12 @@ def test_srun_and_torchrun_receive_the_multinode_launch(run):
     assert len(sruns) == 2  # ddp and pipeline at 4 devices; nothing else spans nodes
     port = 20000 + JOB_ID % 20000
     for line in sruns:
-        assert line.startswith(
-            "srun --nodes=2 --ntasks-per-node=1 --kill-on-bad-exit=1 "
-            "torchrun --nnodes=2 --nproc-per-node=2 --rdzv-backend=c10d "
+        srun, _, rest = line.partition(" --kill-on-bad-exit=1 ")
+        assert srun == "srun --nodes=2 --ntasks-per-node=1", line
+        python, _, torchrun = rest.partition(" -m torch.distributed.run ")
+        assert python.endswith("python"), line
+        assert torchrun.startswith(
+            "--nnodes=2 --nproc-per-node=2 --rdzv-backend=c10d "
             f"--rdzv-endpoint=localhost:{port} --rdzv-id={JOB_ID} "
             "-m parabench run "
         ), line

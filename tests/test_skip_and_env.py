@@ -10,6 +10,7 @@ import torch
 
 from conftest import tiny_spec
 from parabench import envinfo
+from parabench.checks import static_skip_reason
 from parabench.runtime import Context
 from parabench.strategies import get
 
@@ -30,8 +31,8 @@ def test_dataparallel_on_cpu_is_skipped_beyond_one_device_never_timed():
     assert reason and "silently runs a single copy" in reason
     assert get("dp").skip_reason(tiny_spec("dp", 1), ctx("cpu")) is None
     # Known from the config alone: recorded without importing torch in the cell.
-    assert tiny_spec("dp", 4).static_skip_reason() == reason.replace("2", "4")
-    assert tiny_spec("dp", 1).static_skip_reason() is None
+    assert static_skip_reason(tiny_spec("dp", 4)) == reason.replace("2", "4")
+    assert static_skip_reason(tiny_spec("dp", 1)) is None
 
 
 def test_cuda_paths_skip_when_too_few_gpus_are_visible():

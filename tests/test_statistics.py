@@ -4,7 +4,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from parabench import statistics as st
+from parabench import stats as st
 
 
 def test_the_median_interval_covers_the_true_median_about_95_percent_of_the_time():
@@ -85,7 +85,7 @@ def test_speedup_interval_contains_the_true_speedup_and_excludes_one():
             for s, n in (("single", 1), ("ddp", 2))
         ]
     ).assign(global_batch=64)
-    ci = st.speedup_intervals(summary, steps, VARIANT)
+    ci = st.speedup_intervals(summary, steps)
     lo, hi = ci.loc[1, "speedup_ci_low"], ci.loc[1, "speedup_ci_high"]
     assert lo < 2.0 < hi and lo > 1.5
     assert ci.loc[1, "efficiency_ci_low"] == pytest.approx(lo / 2)

@@ -24,7 +24,7 @@ CONFIG = {
     "profile_steps": 2,
     "timeout_s": 60,
     "cell_timeout_s": 240,
-    "collectives": {"sizes": [4096, 1048576]},
+    "collectives": {"message_bytes": [4096, 1048576]},
 }
 
 

@@ -201,7 +201,7 @@ def test_aggregate_refuses_untrustworthy_results_naming_the_file(tmp_path, damag
         ({"models": {"tiny": {**TINY, "batch_size": 63}}}, "batch_size"),
         (
             {
-                "pipeline": {"microbatches": 2, "schedule": "1f1b"},
+                "options": {"pipeline": {"microbatches": 2, "schedule": "1f1b"}},
                 "strategies": ["pipeline"],
                 "devices": [4],
             },

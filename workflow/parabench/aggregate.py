@@ -7,10 +7,8 @@
 - summary.csv: one row per (model, precision, optimizer, compile, strategy, devices),
   over repeats.
 
-Speedup is throughput(strategy, n) / throughput(single, 1) of the same model, precision,
-optimizer and compile setting. Under strong scaling (same global batch) that equals
-T(single) / T(strategy, n); under weak scaling (per-device batch fixed) it is the
-throughput ratio. Efficiency = speedup / n in both cases.
+Speedup is stats.speedup (against single at one device, same model and variant);
+efficiency = speedup / n. Every column is described in records.SUMMARY_COLUMNS.
 
 Any mix of outcomes merges: every cell failed or skipped, no `single`, one model
 entirely failed. Figures that need a cell that did not run are left empty.
@@ -27,84 +25,13 @@ import numpy as np
 import pandas as pd
 import torch
 
-from parabench import anatomy, collectives, equivalence, records, scaling, statistics
-from parabench.catalog import record
+from parabench import anatomy, collectives, equivalence, records, scaling, stats
+from parabench.catalog import REFERENCE, record
 from parabench.flops import activation_bytes_per_sample, step_flops
-from parabench.models import build, maths_notes
-from parabench.records import CELL_KEYS, SUMMARY_KEYS, VARIANT_KEYS
+from parabench.models import build
+from parabench.models.base import maths_notes
+from parabench.records import CELL_KEYS, SUMMARY_COLUMNS, SUMMARY_KEYS, VARIANT_KEYS
 from parabench.spec import ModelSpec, RunSpec
-
-SUMMARY_COLUMNS: dict[str, str] = {
-    "model": "model label",
-    "precision": "fp32 or bf16",
-    "optimizer": "sgd or adamw",
-    "compile": "each block's forward under torch.compile",
-    "strategy": "strategy",
-    "devices": "devices",
-    "scaling": "strong (global batch fixed) or weak (per-device batch fixed)",
-    "status": "ok if any repeat ran, else skipped or failed",
-    "reason": "why repeats were skipped or failed (first one), empty when all ran",
-    "repeats_ok": "repeats that ran",
-    "repeats_total": "repeats configured",
-    "global_batch": "samples per optimizer step",
-    "step_time_s": "median over repeats of each repeat's median timed step (headline)",
-    "step_time_min_s": "fastest repeat's median step",
-    "step_time_max_s": "slowest repeat's",
-    "step_time_ci_low_s": "95% bootstrap interval of step_time_s (repeats, then steps)",
-    "step_time_ci_high_s": "upper end of that interval",
-    "step_time_p50_s": "median over all timed steps of all repeats",
-    "step_time_p90_s": "90th percentile over all timed steps of all repeats",
-    "step_time_p95_s": "95th percentile over all timed steps of all repeats",
-    "step_time_iqr_s": "interquartile range over all timed steps of all repeats",
-    "noisy": "True when step_time_iqr_s / step_time_p50_s > 10%",
-    "rank_spread": "slowest rank's step over the fastest's, median over steps",
-    "throughput": "samples per second = global_batch / step_time_s",
-    "tokens_per_s": "language models: tokens per second = throughput x tokens per sample",
-    "speedup": "throughput / throughput of single at 1 device, same model and variant",
-    "efficiency": "speedup / devices",
-    "speedup_ci_low": "95% bootstrap interval of speedup (both cells resampled)",
-    "speedup_ci_high": "upper end of that interval",
-    "efficiency_ci_low": "speedup_ci_low / devices",
-    "efficiency_ci_high": "speedup_ci_high / devices",
-    "flops_per_step": "FLOPs of one optimizer step (FlopCounterMode)",
-    "achieved_flops": "flops_per_step / step_time_s",
-    "mfu": "achieved_flops / peak FLOP/s of the devices used, in the cell's precision",
-    "peak_memory_bytes": "max over repeats of the peak per device",
-    "params_bytes": "parameter bytes held by the fullest rank between steps",
-    "grads_bytes": "gradient bytes held by the fullest rank between steps",
-    "optimizer_bytes": "optimizer-state bytes held by the fullest rank between steps",
-    "max_abs_param_diff": "largest |parameter - single's| after the run, over repeats",
-    "rel_param_diff": "‖params - single's‖ / ‖single's - initial‖, max over repeats",
-    "equivalence_tol": "rel_param_diff allowed: 25 x single's reversed-order distance",
-    "equivalent": "True: same maths as single; False: differs; empty: not comparable",
-    "likely_cause": "where a cell differs: the model's layers that change under this split",
-    "emulated": "true when devices were stand-ins (stages all on one CPU)",
-    "compute_s": "critical profiled step (slowest rank, median step): fwd, bwd, optimizer",
-    "comm_s": "all communication's own time (collectives, send/recv), hidden or not",
-    "comm_exposed_s": "communication compute did not hide: on the critical path",
-    "bubble_s": "a pipeline stage idle, waiting to receive from a neighbour",
-    "data_s": "batch fetch (DataLoader mode) and host-to-device copies",
-    "other_s": "the rest of the profiled step: Python, launch overhead",
-    "profiler_s": "the profiler's own cost in the profiled step, taken out of the parts",
-    "profiled_step_s": "the parts' sum: the critical profiled step less profiler_s",
-    "anatomy_closure": "profiled_step_s / step_time_s: 1 when the parts explain the step",
-    "comm_bytes_per_step": "bytes handed to collectives and send/recv per step, busiest rank",
-    "collectives_per_step": "collectives and send/recv issued per step, busiest rank",
-    "comm_by_op": "per op: collectives and bytes per step (JSON), busiest rank",
-    "predicted_compute_s": "scaling model: single's compute x work share / rank speed",
-    "predicted_bubble_s": "scaling model: (n-1)/m of a stage's compute (pipelines)",
-    "predicted_comm_s": "scaling model: each collective issued, timed on the curves",
-    "predicted_overhead_s": "scaling model: single's data + other time",
-    "predicted_step_s": "scaling model: the sum of the four terms above",
-    "prediction_error": "predicted_step_s / step_time_s - 1",
-    "prediction_flag": "True when the prediction is off by more than 25%",
-    "prediction_miss": "where flagged: the term the model misses most, and why",
-    "model_params_bytes": "analytic parameter bytes per rank",
-    "model_grads_bytes": "analytic gradient bytes per rank",
-    "model_optimizer_bytes": "analytic optimizer-state bytes per rank",
-    "model_activations_bytes": "analytic activation bytes per rank (layer outputs)",
-    "ideal_speedup": "what this hardware could give: n on GPUs; on CPU bounded by cores",
-}
 
 # Filled from the ok cells only; NaN where none ran.
 _OK_COLUMNS = (
@@ -195,8 +122,7 @@ def _cell_row(meta_path: Path, meta: dict) -> tuple[dict, pd.DataFrame | None]:
             "processes": meta.get("world_size") or 1,
             "threads_per_rank": meta.get("threads_per_rank", np.nan),
             "usable_cores": meta.get("env", {}).get("usable_cores", np.nan),
-            "microbatches": spec.microbatches,
-            "accum_steps": spec.accum_steps,
+            "options": json.dumps(dict(spec.to_dict()["options"]), sort_keys=True),
             **_anatomy_columns(meta),
             "reorder_rel_diff": meta.get("reorder_rel_diff", np.nan),
             **_env_columns(meta),
@@ -271,7 +197,7 @@ def _param_diffs(cells: pd.DataFrame) -> pd.DataFrame:
     cols = ["max_abs_param_diff", "rel_param_diff", "equivalence_tol", "equivalent", "likely_cause"]
     out = pd.DataFrame({c: pd.Series(np.nan, index=cells.index, dtype=object) for c in cols})
     ok = cells[cells["status"] == "ok"]
-    refs = ok[ok["strategy"] == "single"].set_index([*VARIANT_KEYS, "repeat"])
+    refs = ok[ok["strategy"] == REFERENCE].set_index([*VARIANT_KEYS, "repeat"])
     cache: dict[str, dict] = {}
 
     def load(d: str) -> dict:
@@ -292,7 +218,7 @@ def _param_diffs(cells: pd.DataFrame) -> pd.DataFrame:
                 f"{c['dir']}/params.pt: parameter names differ from single's"
             )
         rel = equivalence.l2_diff(a, b) / ref["param_travel"] if ref["param_travel"] else 0.0
-        tol = equivalence.tolerance(ref["reorder_rel_diff"])
+        tol = equivalence.tolerance(ref["reorder_rel_diff"], c["strategy"], c["devices"])
         same = bool(rel <= tol)
         cause = "" if same else likely_cause(c["model_spec"], c["strategy"], c["global_batch"])
         out.loc[i, cols] = [equivalence.max_abs_diff(a, b), rel, tol, same, cause]
@@ -342,8 +268,7 @@ def _one(g: pd.DataFrame) -> pd.Series:
             "processes": g["processes"].iloc[0],
             "threads_per_rank": ok["threads_per_rank"].median(),
             "usable_cores": ok["usable_cores"].median(),
-            "microbatches": g["microbatches"].iloc[0],
-            "accum_steps": g["accum_steps"].iloc[0],
+            "options": g["options"].iloc[0],
             "model_spec": g["model_spec"].iloc[0],
         }
     )
@@ -355,25 +280,21 @@ def summarize(
     if curves is None:
         curves = pd.DataFrame(columns=list(collectives.COLUMNS))
     keys = list(SUMMARY_KEYS)
-    pooled = statistics.step_statistics(steps, keys)
+    pooled = stats.step_statistics(steps, keys)
     summary = cells.groupby(keys, sort=False).apply(_one, include_groups=False)
     if len(pooled):
         summary = summary.join(pooled.set_index(keys))
     summary = summary.reset_index()
-    for col in statistics.STEP_COLUMNS:
+    for col in stats.STEP_COLUMNS:
         if col not in summary:
             summary[col] = np.nan
     summary["throughput"] = summary["global_batch"] / summary["step_time_s"]
     summary["tokens_per_s"] = summary["throughput"] * summary["tokens_per_sample"]
-    base = summary[(summary["strategy"] == "single") & (summary["devices"] == 1)]
-    base_thr = summary.join(
-        base.set_index(list(VARIANT_KEYS))["throughput"].rename("base"), on=list(VARIANT_KEYS)
-    )["base"]
-    summary["speedup"] = summary["throughput"] / base_thr
+    summary["speedup"] = stats.speedup(summary, summary)
     summary["efficiency"] = summary["speedup"] / summary["devices"]
-    summary = summary.join(statistics.speedup_intervals(summary, steps, list(VARIANT_KEYS)))
-    summary["achieved_flops"] = summary["flops_per_step"] / summary["step_time_s"]
-    summary["mfu"] = summary["achieved_flops"] / summary["peak_flops_total"]
+    summary = summary.join(stats.speedup_intervals(summary, steps))
+    summary["achieved_flops_per_s"] = summary["flops_per_step"] / summary["step_time_s"]
+    summary["mfu"] = summary["achieved_flops_per_s"] / summary["peak_flops_total"]
     summary = summary.join(scaling.predict(summary, curves, list(VARIANT_KEYS)))
     # Only for models that ran: one that failed may be one nobody can build (too large).
     ran = summary[summary["status"] == "ok"]
@@ -398,12 +319,12 @@ def summarize(
 
 def ideal_speedup(row: pd.Series, summary: pd.DataFrame) -> float:
     """What this hardware could give at n devices: n GPUs give n; on CPU, n processes
-    share the cores single already used, so at most cores / single's threads."""
+    share the cores the reference already used, so at most cores / its threads."""
     n = row["devices"]
     if row["device_type"] != "cpu":
         return float(n)
     cores = summary["usable_cores"].max()
-    singles = summary.loc[summary["strategy"] == "single", "threads_per_rank"].dropna()
+    singles = summary.loc[summary["strategy"] == REFERENCE, "threads_per_rank"].dropna()
     threads = singles.max() if len(singles) else 1
     if not cores or np.isnan(cores) or not threads:
         return float(n)

@@ -36,6 +36,8 @@ import re
 from collections import defaultdict
 from collections.abc import Iterable
 
+from parabench.ops import BY_C10D
+
 STEP_MARK = "parabench.step"
 DATA_MARK = "parabench.data"
 
@@ -49,25 +51,6 @@ _COMM = re.compile(
 _RECV = re.compile(r"^(gloo:recv|c10d::recv|ncclDevKernel_SendRecv|ncclKernel_SendRecv)")
 _H2D = re.compile(r"Memcpy HtoD|memcpy.*HtoD", re.I)
 
-# c10d ops counted as collectives issued, and the name each gets in the tables.
-OPS = {
-    "c10d::allreduce_": "all_reduce",
-    "c10d::allreduce_coalesced_": "all_reduce",
-    "c10d::_allgather_base_": "all_gather",
-    "c10d::allgather_": "all_gather",
-    "c10d::allgather_into_tensor_coalesced_": "all_gather",
-    "c10d::_reduce_scatter_base_": "reduce_scatter",
-    "c10d::reduce_scatter_": "reduce_scatter",
-    "c10d::reduce_scatter_tensor_coalesced_": "reduce_scatter",
-    "c10d::broadcast_": "broadcast",
-    "c10d::send": "send",
-    "c10d::recv_": "recv",
-    "c10d::alltoall_base_": "all_to_all",
-    "_c10d_functional::all_reduce": "all_reduce",
-    "_c10d_functional::all_gather_into_tensor": "all_gather",
-    "_c10d_functional::reduce_scatter_tensor": "reduce_scatter",
-    "_c10d_functional::broadcast": "broadcast",
-}
 _ELEMENT = {"float": 4, "c10::BFloat16": 2, "c10::Half": 2, "double": 8, "long int": 8, "int": 4}
 PARTS = ("compute_s", "comm_exposed_s", "bubble_s", "data_s", "other_s")
 
@@ -250,7 +233,7 @@ def volume(events: list[dict], list_element_bytes: int = 4) -> dict[str, dict[st
         return {}
     out: dict[str, dict[str, float]] = defaultdict(lambda: {"count": 0.0, "bytes": 0.0})
     for e in events:
-        op = OPS.get(e.get("name", ""))
+        op = BY_C10D.get(e.get("name", ""))
         if op is None or e.get("ph") != "X" or e.get("tid") != main:
             continue
         t = float(e["ts"])
@@ -265,6 +248,6 @@ def volume(events: list[dict], list_element_bytes: int = 4) -> dict[str, dict[st
         for d, ty in tensors[:2]:  # (output, input) or (tensors,): the buffers it moves
             each = list_element_bytes if ty == "TensorList" else _ELEMENT.get(ty, 4)
             sizes.append(_numel(d) * each)
-        out[op]["count"] += 1 / len(windows)
-        out[op]["bytes"] += max(sizes) / len(windows)
+        out[op.name]["count"] += 1 / len(windows)
+        out[op.name]["bytes"] += max(sizes) / len(windows)
     return {k: dict(v) for k, v in out.items()}

@@ -1,16 +1,21 @@
 """Every fact about every strategy, one record each, and the other names the config uses.
 
 Torch-free on purpose: the Snakefile imports it at parse time to build the job graph.
-The config check (which strategies exist), the cell rules (launch, batch divisibility,
-stages vs blocks, what cannot run on CPU), the rules' wildcards, the report (labels,
-order, narrative template) and the memory model (what is sharded) all read these
-records, so adding a strategy means one record here, one module under strategies/ and
-one narrative under report/strategies/.
+The config check (which strategies exist, their own settings), the cell rules (launch,
+batch divisibility, stages vs blocks, what cannot run on CPU), the rules' wildcards, the
+report (labels, order, narrative template) and the memory model (what is sharded) all
+read these records, so adding a strategy means one record here, one module under
+strategies/ and one narrative under report/strategies/.
+
+A strategy's own settings (fsdp's `reshard_after_forward`, pipeline's `microbatches`)
+are `Option`s of its record: their defaults live here, the config sets them in a
+section named after the strategy (`fsdp: {reshard_after_forward: false}`), and only
+that strategy's cells carry them, so a new setting changes no other cell's hash.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 # How a cell's processes are started.
 ONE_PROCESS = "one process"  # python -m parabench run, no process group
@@ -19,6 +24,29 @@ RANKS_IF_MANY = "ranks if many"  # ranks when devices > 1; plain one process at 
 
 # What a strategy keeps 1/n of on each rank (the rest is replicated).
 PARAMS, GRADS, OPTIMIZER, ACTIVATIONS = "params", "grads", "optimizer", "activations"
+
+
+@dataclass(frozen=True)
+class Option:
+    """One setting of one strategy: its default, and what it means (config/README)."""
+
+    default: bool | int | str
+    help: str
+    choices: tuple = ()  # the values allowed, where they are few
+    minimum: int | None = None  # for integers
+
+    def problem(self, key: str, value) -> str | None:
+        """Why `value` cannot be this option's, naming `key`; None when it can."""
+        kind = type(self.default)
+        if kind is int and (isinstance(value, bool) or not isinstance(value, int)):
+            return f"{key}: must be an integer, got {value!r}"
+        if kind is not int and not isinstance(value, kind):
+            return f"{key}: must be a {kind.__name__}, got {value!r}"
+        if self.choices and value not in self.choices:
+            return f"{key}: must be one of {list(self.choices)}, got {value!r}"
+        if self.minimum is not None and value < self.minimum:
+            return f"{key}: must be >= {self.minimum}, got {value}"
+        return None
 
 
 @dataclass(frozen=True)
@@ -43,6 +71,11 @@ class StrategyRecord:
     # parameters) or "activations" (in the compute precision: bf16 under autocast).
     # The profiler records those tensors' shapes but not their dtype.
     sends: str = "gradients"
+    # Gradients rounded to this many significant bits before they are averaged
+    # (a compression hook): the maths differs from single's by that rounding, and the
+    # equivalence tolerance is derived from it (equivalence.py). None: not rounded.
+    gradient_bits: int | None = None
+    options: dict[str, Option] = field(default_factory=dict)
 
     @property
     def pipelined(self) -> bool:
@@ -59,22 +92,32 @@ class StrategyRecord:
         """Whether the cell's code runs in a process group (DDP at one rank does too)."""
         return self.launch == RANK_PER_DEVICE or (self.launch == RANKS_IF_MANY and devices > 1)
 
-    def uses_torchrun(self, devices: int) -> bool:
-        """Whether torchrun starts the cell. One rank needs no rendezvous: it starts as a
-        plain process with an in-memory store, the same code path without the agent's
-        two seconds of start-up."""
-        return self.process_group(devices) and devices > 1
+    def ranks(self, devices: int) -> int:
+        """The processes a cell at `devices` starts: more than one means torchrun (and
+        the only way across nodes). One rank needs no rendezvous: it starts as a plain
+        process with an in-memory store, the same code path without the agent's two
+        seconds of start-up."""
+        return devices if self.process_group(devices) else 1
 
-    def batch_divisor(self, devices: int, accum_steps: int, microbatches: int) -> tuple[int, str]:
+    def batch_divisor(self, devices: int, options: dict) -> tuple[int, str]:
         """(what the global batch must divide by, how to say it), (1, "") if unsplit."""
         if self.batch_split == "devices":
             return devices, f"devices ({devices})"
         if self.batch_split == "devices*accum":
-            return devices * accum_steps, f"devices x accum_steps ({devices}x{accum_steps})"
+            k = options["accum_steps"]
+            return devices * k, f"devices x options.{self.name}.accum_steps ({devices}x{k})"
         if self.batch_split == "microbatches":
-            return microbatches, f"pipeline.microbatches ({microbatches})"
+            m = options["microbatches"]
+            return m, f"options.{self.name}.microbatches ({m})"
         return 1, ""
 
+
+_PIPELINE_OPTIONS = {
+    "microbatches": Option(4, "micro-batches per optimizer step", minimum=1),
+    "schedule": Option(
+        "gpipe", "gpipe (all forwards, then all backwards) or 1f1b", choices=("gpipe", "1f1b")
+    ),
+}
 
 _RECORDS = (
     StrategyRecord(
@@ -121,6 +164,13 @@ _RECORDS = (
         launch=RANK_PER_DEVICE,
         batch_split="devices",
         sharded=frozenset({PARAMS, GRADS, OPTIMIZER, ACTIVATIONS}),
+        options={
+            "reshard_after_forward": Option(
+                True,
+                "true frees gathered parameters after forward (ZeRO-3); false keeps "
+                "them to backward (ZeRO-2-like)",
+            )
+        },
     ),
     StrategyRecord(
         "tp",
@@ -147,6 +197,7 @@ _RECORDS = (
         batch_split="microbatches",
         cuts_model=True,
         sends="activations",
+        options=_PIPELINE_OPTIONS,
     ),
     StrategyRecord(
         "grad_accum",
@@ -156,15 +207,16 @@ _RECORDS = (
         launch=RANKS_IF_MANY,
         batch_split="devices*accum",
         sharded=frozenset({ACTIVATIONS}),
+        options={"accum_steps": Option(2, "micro-batches per optimizer step", minimum=1)},
     ),
 )
 
 CATALOG: dict[str, StrategyRecord] = {r.name: r for r in _RECORDS}
 STRATEGIES: tuple[str, ...] = tuple(CATALOG)
 LABELS: dict[str, str] = {r.name: r.label for r in _RECORDS}
+# The strategy every other is measured against: speedup and equivalence.
+REFERENCE: str = next(r.name for r in _RECORDS if r.reference)
 
-ARCHS: tuple[str, ...] = ("mlp", "seqnet", "resmlp", "gpt")  # presets; "custom": your own
-SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b")
 PRECISIONS: tuple[str, ...] = ("fp32", "bf16")
 OPTIMIZERS: tuple[str, ...] = ("sgd", "adamw")
 
@@ -172,11 +224,6 @@ OPTIMIZERS: tuple[str, ...] = ("sgd", "adamw")
 def record(strategy: str) -> StrategyRecord:
     """The record of a known strategy (callers check names with `problems()` first)."""
     return CATALOG[strategy]
-
-
-def uses_torchrun(strategy: str, devices: int) -> bool:
-    """True when the cell is launched as `devices` ranks by torchrun."""
-    return CATALOG[strategy].uses_torchrun(devices)
 
 
 def device_counts(strategy: str, devices: list[int]) -> list[int]:

@@ -18,14 +18,11 @@ import torch
 from parabench import anatomy, envinfo, equivalence, faults, profiling, records, runtime, strategies
 from parabench.data import LoaderBatches, SyntheticBatches
 from parabench.loop import all_ranks, measure, plan
-from parabench.models import Model, build
+from parabench.models import build
+from parabench.models.base import Model
 from parabench.peak import gemm_flops_per_s
 from parabench.spec import RunSpec
 from parabench.strategies.base import Strategy, cpu_params
-
-
-class SpecError(ValueError):
-    """The cell's settings break a rule; the message names the config key."""
 
 
 def run_cell(spec: RunSpec, out: Path) -> int:
@@ -34,9 +31,6 @@ def run_cell(spec: RunSpec, out: Path) -> int:
     Whatever goes wrong from here on (no GPU, a bad launch, an exception on any rank)
     leaves that rank's error-rank<R>.json, and rank 0 writes the `failed` record; a
     rank that dies without Python's help (a signal, os._exit) is named by the guard."""
-    problems = spec.problems()
-    if problems:
-        raise SpecError("; ".join(problems))
     out = Path(out)
     rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -98,7 +92,7 @@ def check_fits(spec: RunSpec, world: int) -> None:
     host's processes (every rank builds the whole model on the host first). Linux
     overcommits: without this check an absurd size is found by the OOM killer, whose
     SIGKILL says nothing about the model, or not at all."""
-    if spec.model.arch == "custom":  # it was built once already, when the run was planned
+    if spec.model.arch == "custom":  # it was built once already, when the run was checked
         return
     with torch.device("meta"):
         n_params = sum(p.numel() for p in build(spec.model, spec.seed).blocks.parameters())
@@ -198,7 +192,7 @@ def _run(spec: RunSpec, ctx: runtime.Context, out: Path, common: dict, t_start: 
     )
     if not ctx.is_main:
         return
-    reference = reorder_spread(spec, ctx, state) if spec.record.reference else {}
+    reference = reorder_spread(spec, ctx, state) if spec.is_reference else {}
 
     rows = []  # the timed steps (warm-up included), by their place in the plan
     for i, (step, phase) in enumerate(zip(measured.steps, measured.phases, strict=True)):

@@ -1,104 +1,59 @@
-"""Command line: `parabench run | guard | aggregate | report | sweep`.
+"""Command line: `parabench launch | run | launch-collectives | collectives | aggregate |
+report | compare | sweep`.
 
-`run` executes one cell. Its flags are generated from RunSpec's fields, so the
-workflow's command line (spec_argv) and the parser cannot drift apart, and every
-logged command reruns its cell by hand, without Snakemake.
+`launch` starts one cell however it must be started and records its outcome, whatever
+happens; `run` is what each of its processes runs. Their flags are RunSpec's fields
+(spec.add_arguments), so every logged command reruns its cell by hand, without
+Snakemake.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import faulthandler
-import json
 import sys
 from pathlib import Path
 
-from parabench.config import COLLECTIVE_SIZES
-from parabench.spec import ModelSpec, RunSpec
-
-_SPEC_FIELDS = [f for f in dataclasses.fields(RunSpec) if f.name != "model"]
+from parabench import spec as specs
+from parabench.config import COLLECTIVE_BYTES
 
 
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
+def _bytes_list(text: str) -> list[int]:
+    return [int(s) for s in text.split(",") if s]
 
 
-def _bool(text: str) -> bool:
-    if text.lower() in ("true", "1", "yes"):
-        return True
-    if text.lower() in ("false", "0", "no"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
-
-
-def spec_argv(spec: RunSpec) -> list[str]:
-    """The `parabench run` arguments that reproduce `spec` exactly."""
-    argv = ["--arch", spec.model.arch, "--sizes", json.dumps(dict(spec.model.sizes))]
-    for f in _SPEC_FIELDS:
-        value = getattr(spec, f.name)
-        if value is not None:
-            argv += [_flag(f.name), str(value)]
-    return argv
-
-
-def _add_spec_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--arch", required=True, help="model architecture (mlp, seqnet, resmlp)")
-    p.add_argument(
-        "--sizes",
-        default="{}",
-        type=json.loads,
-        help="architecture size overrides as JSON, e.g. '{\"dims\": [64, 32, 1]}'",
-    )
-    types = {"int": int, "float": float, "str": str, "bool": _bool, "float | None": float}
-    for f in _SPEC_FIELDS:
-        required = f.default is dataclasses.MISSING
-        p.add_argument(
-            _flag(f.name),
-            dest=f.name,
-            type=types[str(f.type)],
-            required=required,
-            default=None if required else f.default,
-        )
-
-
-def _spec_from(args: argparse.Namespace) -> RunSpec:
-    model = ModelSpec.of(args.arch, **args.sizes)
-    return RunSpec(model=model, **{f.name: getattr(args, f.name) for f in _SPEC_FIELDS})
-
-
-def spec_from_launch(cmd: list[str]) -> RunSpec | None:
-    """The cell a launch command runs (the arguments after `run`), or None if it is not
-    a `parabench run` command: spec_argv's inverse, through the same parser."""
-    if "run" not in cmd:
-        return None
-    parser = argparse.ArgumentParser(add_help=False, exit_on_error=False)
-    _add_spec_args(parser)
-    parser.add_argument("--out")
-    try:
-        args, _ = parser.parse_known_args(cmd[cmd.index("run") + 1 :])
-        return _spec_from(args)
-    except (argparse.ArgumentError, ValueError, SystemExit):
-        return None
-
-
-def record_static_skip(spec: RunSpec, out: Path, reason: str) -> int:
-    """Record a skip known from the settings alone, without importing torch."""
-    from parabench import envinfo, records
-
-    records.write_outcome(
-        out, "skipped", reason, **spec.record_fields(), env=envinfo.base(), device_type=spec.device
-    )
-    return 0
-
-
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="parabench", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
 
-    run = sub.add_parser("run", help="run one cell (under torchrun for multi-rank strategies)")
-    _add_spec_args(run)
+    launch = sub.add_parser("launch", help="start one cell (its ranks) and record its outcome")
+    specs.add_arguments(launch)
+    launch.add_argument("--out", type=Path, required=True, help="the cell's directory")
+    launch.add_argument(
+        "--cell-timeout-s", type=float, default=1800.0, help="wall-clock limit, then killed"
+    )
+
+    run = sub.add_parser("run", help="one process of a cell (what `launch` starts)")
+    specs.add_arguments(run)
     run.add_argument("--out", type=Path, required=True, help="cell directory for the records")
+
+    for name, helptext in (
+        ("launch-collectives", "start the collectives benchmark at n ranks and record it"),
+        ("collectives", "one rank of the collectives benchmark (what the launch starts)"),
+    ):
+        col = sub.add_parser(name, help=helptext)
+        col.add_argument("--devices", type=int, required=True, help="ranks (torchrun's nproc)")
+        col.add_argument(
+            "--message-bytes",
+            type=_bytes_list,
+            default=list(COLLECTIVE_BYTES),
+            help="message sizes in bytes, comma-separated",
+        )
+        col.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+        col.add_argument("--timeout-s", type=float, default=300.0, help="process-group timeout")
+        col.add_argument("--out", type=Path, required=True)
+        if name == "launch-collectives":
+            col.add_argument("--cell-timeout-s", type=float, default=1800.0)
 
     agg = sub.add_parser("aggregate", help="merge cell records into steps.csv and summary.csv")
     agg.add_argument("--meta", type=Path, nargs="+", required=True, help="cells' meta.json files")
@@ -112,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
 
     rep = sub.add_parser("report", help="render report.html from the aggregated tables")
     rep.add_argument("--results", type=Path, required=True, help="directory with summary.csv")
-    rep.add_argument("--templates", type=Path, required=True, help="the report/ directory")
+    rep.add_argument("--templates", type=Path, help="the report/ directory (default: ours)")
     rep.add_argument("--config-json", default="", help="the workflow config, as JSON")
     rep.add_argument("--out", type=Path, required=True)
     rep.add_argument("--plots-dir", type=Path, help="also write each plot as a PNG here")
@@ -130,85 +85,55 @@ def main(argv: list[str] | None = None) -> int:
     swp.add_argument("--results", help="results directory (overrides the config's)")
     swp.add_argument("--devices", help="device counts, e.g. 1,2,4, or auto: what the GPUs allow")
     swp.add_argument("--force", action="store_true", help="rerun cells already recorded")
+    return parser
 
-    col = sub.add_parser("collectives", help="collective curves at n ranks (under torchrun)")
-    col.add_argument("--devices", type=int, required=True, help="ranks (torchrun's nproc)")
-    col.add_argument(
-        "--sizes", default=",".join(map(str, COLLECTIVE_SIZES)), help="bytes, comma-separated"
-    )
-    col.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
-    col.add_argument("--timeout-s", type=float, default=300.0, help="process-group timeout")
-    col.add_argument("--out", type=Path, required=True)
 
-    grd = sub.add_parser("guard", help="run a launch command; record a failure if it leaves none")
-    grd.add_argument("--out", type=Path, required=True, help="the cell directory")
-    grd.add_argument("--timeout", type=float, required=True, help="wall-clock limit, seconds")
-    grd.add_argument("cmd", nargs=argparse.REMAINDER, help="-- then the launch command")
-
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
     args = parser.parse_args(argv)
     if args.command in ("run", "collectives"):  # the commands the ranks run
         # A rank killed by a signal (a segfault, an abort in native code) prints every
         # thread's Python stack into its log; the guard names the innermost frame.
         faulthandler.enable()
-    if args.command == "run":
+    if args.command in ("run", "launch"):
         try:
-            spec = _spec_from(args)
+            spec = specs.from_namespace(args)
         except ValueError as e:
             print(f"parabench: invalid cell: {e}", file=sys.stderr)
             return 2
-        if problems := spec.problems():
-            print("parabench: invalid cell: " + "; ".join(problems), file=sys.stderr)
-            return 2
-        if reason := spec.static_skip_reason():
-            return record_static_skip(spec, args.out, reason)
-        from parabench.cell import run_cell
+        if args.command == "launch":
+            from parabench.launch import launch_cell
 
-        return run_cell(spec, args.out)
-    if args.command == "guard":
-        from parabench.guard import guard
+            return launch_cell(spec, args.out, args.cell_timeout_s)
+        return _run(spec, args.out)
+    if args.command == "launch-collectives":
+        from parabench.launch import launch_collectives
 
-        cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
-        if "collectives" in cmd and "--devices" in cmd:
-            fields = {"kind": "collectives", "devices": int(cmd[cmd.index("--devices") + 1])}
-            return guard(args.out, cmd, args.timeout, fields)
-        spec = spec_from_launch(cmd)
-        if spec is None:
-            parser.error("guard needs a `parabench run` or `collectives` command after --")
-        return guard(args.out, cmd, args.timeout, spec.record_fields())
+        return launch_collectives(
+            args.devices,
+            args.message_bytes,
+            args.device,
+            args.timeout_s,
+            args.out,
+            args.cell_timeout_s,
+        )
     if args.command == "collectives":
         from parabench.collectives import run as run_collectives
 
-        sizes = [int(s) for s in args.sizes.split(",") if s]
-        return run_collectives(args.devices, sizes, args.device, args.timeout_s, args.out)
+        return run_collectives(
+            args.devices, args.message_bytes, args.device, args.timeout_s, args.out
+        )
     if args.command == "compare":
-        from parabench import compare
-        from parabench.records import atomic_write_bytes
-        from parabench.sweep import TEMPLATES
-
-        try:
-            table, diffs = compare.compare(args.a, args.b, args.force)
-        except compare.CompareError as e:
-            print(f"parabench compare: {e}", file=sys.stderr)
-            return 2
-        for d in diffs:
-            print(f"differs: {d}")
-        csv_out = args.csv or args.out.with_suffix(".csv")
-        atomic_write_bytes(csv_out, table.to_csv(index=False).encode())
-        compare.render(table, diffs, args.a, args.b, args.templates or TEMPLATES, args.out)
-        for verdict, n in table["verdict"].value_counts().items():
-            print(f"{verdict}: {n} cells")
-        print(f"comparison: {args.out} and {csv_out}")
-        return 0
+        return _compare(args)
     if args.command == "sweep":
         from parabench.sweep import main as sweep
 
         return sweep(args.config, args.results, args.devices, args.force)
     if args.command == "report":
-        from parabench.report import load_config, render
+        from parabench.report import TEMPLATES, load_config, render
 
-        render(
-            args.results, args.templates, load_config(args.config_json), args.out, args.plots_dir
-        )
+        templates = args.templates or TEMPLATES
+        render(args.results, templates, load_config(args.config_json), args.out, args.plots_dir)
         return 0
     if args.command == "aggregate":
         from parabench.aggregate import aggregate
@@ -228,3 +153,43 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         return 0
     return 1
+
+
+def _run(spec: specs.RunSpec, out: Path) -> int:
+    """One process of a cell: checked once here, skipped if the settings say so."""
+    from parabench import checks
+
+    if problems := checks.problems(spec):
+        print("parabench: invalid cell: " + "; ".join(problems), file=sys.stderr)
+        return 2
+    if reason := checks.static_skip_reason(spec):
+        from parabench import envinfo, records
+
+        fields = spec.record_fields()
+        env = envinfo.base()
+        records.write_outcome(out, "skipped", reason, **fields, env=env, device_type=spec.device)
+        return 0
+    from parabench.cell import run_cell
+
+    return run_cell(spec, out)
+
+
+def _compare(args: argparse.Namespace) -> int:
+    from parabench import compare
+    from parabench.records import atomic_write_bytes
+    from parabench.report import TEMPLATES
+
+    try:
+        table, diffs = compare.compare(args.a, args.b, args.force)
+    except compare.CompareError as e:
+        print(f"parabench compare: {e}", file=sys.stderr)
+        return 2
+    for d in diffs:
+        print(f"differs: {d}")
+    csv_out = args.csv or args.out.with_suffix(".csv")
+    atomic_write_bytes(csv_out, table.to_csv(index=False).encode())
+    compare.render(table, diffs, args.a, args.b, args.templates or TEMPLATES, args.out)
+    for verdict, n in table["verdict"].value_counts().items():
+        print(f"{verdict}: {n} cells")
+    print(f"comparison: {args.out} and {csv_out}")
+    return 0

@@ -5,10 +5,7 @@ backend and devices as the cells (NCCL on GPUs, gloo on CPU). For each op and si
 times a loop of back-to-back calls after a warm-up and reports, as nccl-tests does, the
 mean time per call (slowest rank) and:
 
-    algbw = bytes / time
-    busbw = algbw x 2(n-1)/n   all-reduce
-            algbw x (n-1)/n    all-gather, reduce-scatter
-            algbw              broadcast, send/recv
+    algbw = bytes / time,  busbw = algbw x the op's factor (ops.py)
 
 `bytes` is nccl-tests' size: the whole buffer (all-gather: the gathered output;
 reduce-scatter: the input reduced). send/recv pairs rank 2i with 2i+1, each pair moving
@@ -26,8 +23,8 @@ import torch
 import torch.distributed as dist
 
 from parabench import records
+from parabench.ops import CURVES, bus_factor
 
-OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "send_recv")
 COLUMNS = (
     "op",
     "devices",
@@ -39,14 +36,6 @@ COLUMNS = (
     "iters",
     "dtype",
 )
-
-
-def bus_factor(op: str, n: int) -> float:
-    if op == "all_reduce":
-        return 2 * (n - 1) / n
-    if op in ("all_gather", "reduce_scatter"):
-        return (n - 1) / n
-    return 1.0
 
 
 def _call(op: str, numel: int, n: int, rank: int, device: torch.device) -> Callable[[], None]:
@@ -100,7 +89,7 @@ def time_op(
     return took.item(), iters
 
 
-def curves(sizes: list[int], device: torch.device, ops=OPS) -> list[dict]:
+def curves(sizes: list[int], device: torch.device, ops=CURVES) -> list[dict]:
     n = dist.get_world_size()
     rows = []
     for op in ops:

@@ -17,11 +17,11 @@ from pathlib import Path
 
 import pandas as pd
 
-from parabench import statistics
+from parabench import stats
 from parabench.records import SUMMARY_KEYS
 
 HARDWARE = ("device_type", "device_names", "cpu_model")
-SETTINGS = ("global_batch", "scaling", "steps", "warmup", "microbatches", "accum_steps")
+SETTINGS = ("global_batch", "scaling", "steps", "warmup", "options")
 SETTINGS_SUMMARY = ("flops_per_step",)  # the model's size, as FLOPs per step
 COLUMNS = (
     *SUMMARY_KEYS,
@@ -89,15 +89,15 @@ def compare(a_dir: Path, b_dir: Path, force: bool = False) -> tuple[pd.DataFrame
             + "\n  - ".join(diffs)
         )
     keys = list(SUMMARY_KEYS)
-    draws_a = statistics.cell_draws(a["steps"], keys)
-    draws_b = statistics.cell_draws(b["steps"], keys)
+    draws_a = stats.cell_draws(a["steps"], keys)
+    draws_b = stats.cell_draws(b["steps"], keys)
     sa, sb = (x["summary"].set_index(keys) for x in (a, b))
     rows = []
     for key in sa.index.intersection(sb.index):
         if key not in draws_a or key not in draws_b:
             continue
         ratio = draws_b[key] / draws_a[key]
-        lo, hi = statistics.interval(ratio)
+        lo, hi = stats.interval(ratio)
         ta, tb = sa.loc[key, "step_time_s"], sb.loc[key, "step_time_s"]
         rows.append(
             {
@@ -107,7 +107,7 @@ def compare(a_dir: Path, b_dir: Path, force: bool = False) -> tuple[pd.DataFrame
                 "ratio": tb / ta,
                 "ratio_ci_low": lo,
                 "ratio_ci_high": hi,
-                "verdict": statistics.verdict(lo, hi),
+                "verdict": stats.verdict(lo, hi),
                 "speedup_a": sa.loc[key, "speedup"],
                 "speedup_b": sb.loc[key, "speedup"],
             }

@@ -1,18 +1,25 @@
-"""From a workflow config (a plain dict, already schema-checked) to benchmark cells.
-
-Torch-free and Snakemake-free: the Snakefile calls `cells()` to build its job graph and
-`problems()` to refuse a bad config before any job starts; tests call them directly.
+"""A workflow config: read, checked against the schema (defaults filled from it), and
+turned into benchmark cells. Torch-free and Snakemake-free: the Snakefile and
+`parabench sweep` both load configs here, plan the same cells with `cells()` and
+refuse a bad config before any job starts with `problems()`; tests call them directly.
 """
 
 from __future__ import annotations
 
+import copy
+import functools
 import itertools
 import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from parabench.catalog import STRATEGIES, device_counts
+import yaml
+
+from parabench import checks
+from parabench.catalog import CATALOG, STRATEGIES, device_counts
 from parabench.spec import ModelSpec, RunSpec
+
+SCHEMA = Path(__file__).resolve().parents[1] / "schemas" / "config.schema.yaml"
 
 # Keys of a model entry that are not architecture sizes: its batch, and the strategies
 # and device counts it is swept over when they differ from the config's.
@@ -21,7 +28,7 @@ MODEL_KEYS = ("arch", "batch_size", "strategies", "devices")
 # as a list of one), and each enters the cell's identity and path.
 AXES = ("precision", "optimizer", "compile")
 # Message sizes of the collectives benchmark (bytes): 1 KiB, 4 KiB, ... 64 MiB.
-COLLECTIVE_SIZES = tuple(2**k for k in range(10, 27, 2))
+COLLECTIVE_BYTES = tuple(2**k for k in range(10, 27, 2))
 
 # Plain keys copied from the config onto every cell's RunSpec.
 SPEC_KEYS = (
@@ -29,7 +36,6 @@ SPEC_KEYS = (
     "warmup",
     "profile_steps",
     "scaling",
-    "accum_steps",
     "lr",
     "seed",
     "device",
@@ -41,18 +47,24 @@ SPEC_KEYS = (
 )
 
 
-@dataclass(frozen=True)
-class Cell:
-    spec: RunSpec
-
-    @property
-    def path(self) -> str:
-        """Directory of the cell's records, relative to the results directory."""
-        return cell_path(self.spec)
+class ConfigError(ValueError):
+    """A config that breaks the schema or a rule; the message names the key."""
 
 
-def cell_path(s: RunSpec) -> str:
-    return f"runs/{s.model_name}/{s.variant}/{s.strategy}/n{s.devices}/r{s.repeat}"
+@functools.cache
+def load_schema() -> dict:
+    return yaml.safe_load(SCHEMA.read_text())
+
+
+def with_defaults(schema: dict, data: dict) -> dict:
+    """`data` with the schema's defaults filled in, as Snakemake's validate does."""
+    out = dict(data)
+    for key, sub in schema.get("properties", {}).items():
+        if key not in out and "default" in sub:
+            out[key] = sub["default"]
+        if isinstance(out.get(key), dict) and "properties" in sub:
+            out[key] = with_defaults(sub, out[key])
+    return out
 
 
 def as_integers(data, schema: dict):
@@ -70,6 +82,37 @@ def as_integers(data, schema: dict):
     if isinstance(data, list) and isinstance(schema.get("items"), dict):
         return [as_integers(v, schema["items"]) for v in data]
     return data
+
+
+def checked(data: dict) -> dict:
+    """`data` checked against the schema (where jsonschema is installed: it comes with
+    Snakemake), with the schema's defaults filled in; ConfigError names the key."""
+    schema = load_schema()
+    try:
+        import jsonschema
+    except ImportError:  # e.g. a GPU image without Snakemake; problems() still runs
+        pass
+    else:
+        validator = jsonschema.validators.validator_for(schema)(schema)
+        if error := jsonschema.exceptions.best_match(validator.iter_errors(data)):
+            where = ".".join(map(str, error.absolute_path)) or "(top level)"
+            raise ConfigError(f"{where}: {error.message}")
+    return as_integers(with_defaults(schema, copy.deepcopy(data)), schema)
+
+
+def load_config(path: Path) -> dict:
+    """The config file, checked against the schema and given the schema's defaults."""
+    return checked(yaml.safe_load(Path(path).read_text()) or {})
+
+
+@dataclass(frozen=True)
+class Cell:
+    spec: RunSpec
+
+    @property
+    def path(self) -> str:
+        """Directory of the cell's records, relative to the results directory."""
+        return self.spec.path
 
 
 def axis(config: dict, key: str) -> list:
@@ -99,15 +142,10 @@ def spec_for(
 ) -> RunSpec:
     """The cell's settings; `levels` picks one level of each axis (default: the first)."""
     entry = config["models"][model]
-    pipe = config.get("pipeline", {})
-    optional = {k: config[k] for k in SPEC_KEYS if k in config}
-    for key, name in (("microbatches", "microbatches"), ("schedule", "schedule")):
-        if key in pipe:
-            optional[name] = pipe[key]
-    if "reshard_after_forward" in config.get("fsdp", {}):
-        optional["fsdp_reshard"] = config["fsdp"]["reshard_after_forward"]
+    plain = {k: config[k] for k in SPEC_KEYS if k in config}
     for key in AXES:
-        optional[key] = levels.get(key, axis(config, key)[0])
+        plain[key] = levels.get(key, axis(config, key)[0])
+    own = (config.get("options") or {}).get(strategy) or {}
     return RunSpec(
         strategy=strategy,
         devices=devices,
@@ -115,7 +153,8 @@ def spec_for(
         model=model_spec(entry),
         batch_size=entry["batch_size"],
         repeat=repeat,
-        **optional,
+        options=tuple(sorted(own.items())),
+        **plain,
     )
 
 
@@ -136,7 +175,7 @@ def problems(config: dict, workdir: Path | None = None) -> list[str]:
     out: list[str] = []
     for name, entry in config["models"].items():
         try:
-            out += model_spec(entry).problems(name)  # a custom factory is imported here
+            model_spec(entry)
         except ValueError as e:
             out.append(f"models.{name}: {e}")
     named = {(None, s) for s in strategies(config)}
@@ -145,6 +184,9 @@ def problems(config: dict, workdir: Path | None = None) -> list[str]:
         if s not in STRATEGIES:
             key = f"models.{model}.strategies" if model else "strategies"
             out.append(f"{key}: unknown strategy {s!r}; known: {list(STRATEGIES)}")
+    for s in config.get("options") or {}:
+        if s not in CATALOG:
+            out.append(f"options.{s}: not a strategy; known: {list(STRATEGIES)}")
     if out:
         return out
     # A rule broken by every cell (warmup >= steps) is said once; one broken by some
@@ -152,7 +194,7 @@ def problems(config: dict, workdir: Path | None = None) -> list[str]:
     where: dict[str, list[str]] = {}
     all_cells = [c.spec for c in cells(config) if c.spec.repeat == 0]
     for s in all_cells:
-        for p in s.problems():
+        for p in checks.problems(s):
             at = f"models.{s.model_name} / {s.strategy} at devices={s.devices}"
             if at not in where.setdefault(p, []):
                 where[p].append(at)
@@ -175,11 +217,11 @@ def collective_devices(config: dict) -> list[int]:
     found = set()
     for cell in cells(config):
         s = cell.spec
-        runs_ranks = s.record.uses_torchrun(s.devices) and not s.static_skip_reason()
-        if s.repeat == 0 and runs_ranks and s.nodes == 1:
+        if s.repeat == 0 and s.ranks > 1 and s.nodes == 1 and not checks.static_skip_reason(s):
             found.add(s.devices)
     return sorted(found)
 
 
-def collective_sizes(config: dict) -> list[int]:
-    return list(config.get("collectives", {}).get("sizes") or COLLECTIVE_SIZES)
+def collective_bytes(config: dict) -> list[int]:
+    """Message sizes of the collectives benchmark."""
+    return list(config.get("collectives", {}).get("message_bytes") or COLLECTIVE_BYTES)

@@ -20,7 +20,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 from torch.utils.data.distributed import DistributedSampler
 
-from parabench.models import Model
+from parabench.models.base import Model
 
 
 @dataclass(frozen=True)

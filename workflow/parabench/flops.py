@@ -13,7 +13,7 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from parabench.models import Model, example_batch
+from parabench.models.base import Model, example_batch
 
 
 def _meta_input(model: Model, batch: int) -> torch.Tensor:

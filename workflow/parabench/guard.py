@@ -1,6 +1,6 @@
 """Run a cell's launch command so that its outcome is always recorded.
 
-The workflow wraps every launch: `parabench guard --out DIR --timeout S -- torchrun ...`.
+Every launch runs under it (launch.py: `parabench launch`, `parabench launch-collectives`).
 - The cell wrote meta.json (ok, skipped, or a failure rank 0 caught): keep it, exit 0.
 - It died without one (a rank killed, rank 0 crashed, torchrun failed): record `failed`
   with the exit status and the last error line of its output (for a signal, where
@@ -21,6 +21,7 @@ import collections
 import contextlib
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -98,13 +99,16 @@ def _describe_exit(rc: int) -> str:
     return f"exit code {rc}"
 
 
-def guard(out: Path, cmd: list[str], timeout_s: float, fields: dict) -> int:
-    """Run `cmd`; make sure `out` ends with a record. `fields`: what a failure record
-    carries (the cell's identity and settings: RunSpec.record_fields())."""
+def guard(out: Path, cmd: list[str], timeout_s: float, fields: dict, ranks: int) -> int:
+    """Run `cmd`, which starts `ranks` processes; make sure `out` ends with a record.
+    `fields`: what a failure record carries (a cell's identity and settings:
+    RunSpec.record_fields(); the collectives benchmark's kind and devices)."""
     meta = out / "meta.json"
     meta.unlink(missing_ok=True)  # a stale record must not pass for this launch's
     records.clear_rank_errors(out)
-    world = None if any("torch.distributed.run" in a or "torchrun" in a for a in cmd) else 1
+    world = None if ranks > 1 else 1  # a one-process cell's errors name no rank
+    # The log's first line: the exact command, to rerun the cell by hand.
+    print(shlex.join(cmd), flush=True)
     tail: collections.deque[str] = collections.deque(maxlen=200)
     started = time.monotonic()
     proc = subprocess.Popen(

@@ -1,44 +1,139 @@
-"""The command that starts one cell on one node: torchrun for cells with several ranks,
-a plain process otherwise. The workflow's rules, `parabench sweep` and the tests all
-build it here, so a cell starts the same way however it is run."""
+"""Every launch, built in one place: a cell (one process, torchrun's ranks on one node,
+or one torchrun agent per node under srun) and the collectives benchmark, each under
+`guard`, which records a failure when the launch leaves no record.
+
+`parabench launch` (a cell) and `parabench launch-collectives` run these; the
+workflow's rules and `parabench sweep` call those two commands, so a cell starts the
+same way however it is run, and whether it needs torchrun is decided here alone (from
+its spec's `ranks`). Torch-free: it starts in milliseconds and survives a broken torch.
+"""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
-from parabench.cli import spec_argv
 from parabench.spec import RunSpec
 
 
-def launch_argv(spec: RunSpec, out: Path | str, python: str = "python") -> list[str]:
-    """`python [-m torch.distributed.run ...] -m parabench run <spec> --out <out>`."""
-    head = [python]
-    if spec.record.uses_torchrun(spec.devices):
-        head += ["-m", "torch.distributed.run", "--standalone", "--nnodes", "1"]
-        head += ["--nproc-per-node", str(spec.devices)]
-    return [*head, "-m", "parabench", "run", *spec_argv(spec), "--out", str(out)]
+def _torchrun(python: str, nproc: int) -> list[str]:
+    return [
+        python,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nnodes",
+        "1",
+        "--nproc-per-node",
+        str(nproc),
+    ]
 
 
-def guarded_argv(spec: RunSpec, out: Path | str, timeout_s: float, python: str = "python"):
-    """The launch under `parabench guard`, which records a failure if it leaves none."""
-    guard = [python, "-m", "parabench", "guard", "--out", str(out), "--timeout", f"{timeout_s:g}"]
-    return [*guard, "--", *launch_argv(spec, out, python)]
+def cell_argv(spec: RunSpec, out: Path | str, python: str = "python") -> list[str]:
+    """`python [-m torch.distributed.run ...] -m parabench run <spec> --out <out>` on
+    one node; across nodes (spec.nodes > 1, several ranks), see `multinode_argv`."""
+    head = _torchrun(python, spec.ranks) if spec.ranks > 1 else [python]
+    return [*head, "-m", "parabench", "run", *spec.to_argv(), "--out", str(out)]
+
+
+def multinode_argv(spec: RunSpec, out: Path | str, python: str = "python") -> list[str]:
+    """The cell as one torchrun agent per node of the Slurm allocation, started by
+    srun, meeting at a c10d rendezvous on the allocation's first node, keyed by the job
+    id (so concurrent jobs never meet each other). Reads the allocation from Slurm's
+    environment; `mpi` in the rule's resources stops the Slurm plugin from wrapping
+    the command in an srun of its own."""
+    job = os.environ["SLURM_JOB_ID"]
+    hosts = subprocess.run(
+        ["scontrol", "show", "hostnames", os.environ["SLURM_JOB_NODELIST"]],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
+    port = 20000 + int(job) % 20000
+    per_node = spec.devices // spec.nodes
+    srun = ["srun", f"--nodes={spec.nodes}", "--ntasks-per-node=1", "--kill-on-bad-exit=1"]
+    torchrun = [
+        python,
+        "-m",
+        "torch.distributed.run",
+        f"--nnodes={spec.nodes}",
+        f"--nproc-per-node={per_node}",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint={hosts[0]}:{port}",
+        f"--rdzv-id={job}",
+    ]
+    return [*srun, *torchrun, "-m", "parabench", "run", *spec.to_argv(), "--out", str(out)]
 
 
 def collectives_argv(
-    devices: int, sizes: list[int], device: str, timeout_s: float, out: Path | str, python="python"
+    devices: int,
+    message_bytes: list[int],
+    device: str,
+    timeout_s: float,
+    out: Path | str,
+    python: str = "python",
 ) -> list[str]:
     """The collectives benchmark at `devices` ranks (always torchrun: it needs n > 1)."""
-    head = [python, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1"]
-    head += ["--nproc-per-node", str(devices)]
-    args = ["--devices", str(devices), "--sizes", ",".join(map(str, sizes))]
+    args = ["--devices", str(devices), "--message-bytes", ",".join(map(str, message_bytes))]
     args += ["--device", device, "--timeout-s", f"{timeout_s:g}", "--out", str(out)]
-    return [*head, "-m", "parabench", "collectives", *args]
+    return [*_torchrun(python, devices), "-m", "parabench", "collectives", *args]
 
 
-def guarded_collectives_argv(
-    devices: int, sizes: list[int], device: str, timeout_s: float, cell_timeout_s: float, out
+def launch_command(
+    spec: RunSpec, out: Path | str, cell_timeout_s: float, python: str = "python"
 ) -> list[str]:
-    guard = ["python", "-m", "parabench", "guard", "--out", str(out)]
-    guard += ["--timeout", f"{cell_timeout_s:g}"]
-    return [*guard, "--", *collectives_argv(devices, sizes, device, timeout_s, out)]
+    """`parabench launch ...`: the command the workflow's rule and the sweep run."""
+    tail = ["--out", str(out), "--cell-timeout-s", f"{cell_timeout_s:g}"]
+    return [python, "-m", "parabench", "launch", *spec.to_argv(), *tail]
+
+
+def launch_collectives_command(
+    devices: int,
+    message_bytes: list[int],
+    device: str,
+    timeout_s: float,
+    out: Path | str,
+    cell_timeout_s: float,
+    python: str = "python",
+) -> list[str]:
+    """`parabench launch-collectives ...`: the benchmark's command for the rule and sweep."""
+    args = collectives_argv(devices, message_bytes, device, timeout_s, out)
+    tail = args[args.index("collectives") + 1 :]
+    return [
+        python,
+        "-m",
+        "parabench",
+        "launch-collectives",
+        *tail,
+        "--cell-timeout-s",
+        f"{cell_timeout_s:g}",
+    ]
+
+
+def launch_cell(spec: RunSpec, out: Path, cell_timeout_s: float) -> int:
+    """Start the cell and make sure `out` ends with its record (guard.guard)."""
+    from parabench.guard import guard
+
+    python = sys.executable
+    # A one-process strategy cannot span nodes: started plainly, it records that skip.
+    across = spec.nodes > 1 and spec.ranks > 1
+    argv = multinode_argv(spec, out, python) if across else cell_argv(spec, out, python)
+    return guard(out, argv, cell_timeout_s, spec.record_fields(), ranks=spec.ranks)
+
+
+def launch_collectives(
+    devices: int,
+    message_bytes: list[int],
+    device: str,
+    timeout_s: float,
+    out: Path,
+    cell_timeout_s: float,
+) -> int:
+    """Start the collectives benchmark; a failure leaves a `failed` meta.json."""
+    from parabench.guard import guard
+
+    argv = collectives_argv(devices, message_bytes, device, timeout_s, out, sys.executable)
+    fields = {"kind": "collectives", "devices": devices}
+    return guard(out, argv, cell_timeout_s, fields, ranks=devices)

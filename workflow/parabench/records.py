@@ -19,6 +19,10 @@ from pathlib import Path
 SCHEMA_VERSION = 2
 STATUSES = ("ok", "skipped", "failed")
 
+# A cell's directory under the results directory: its key, the axes as one variant
+# label (fp32-sgd, bf16-adamw-compile). The workflow's wildcards read the same pattern.
+CELL_DIR = "runs/{model}/{variant}/{strategy}/n{devices}/r{repeat}"
+
 # A cell's key, in every record and table (RunSpec.identity() gives it).
 CELL_KEYS = ("model", "precision", "optimizer", "compile", "strategy", "devices", "repeat")
 # The same without the repeat: one row of summary.csv.
@@ -185,3 +189,78 @@ def describe_error(error: dict, world: int | None = None) -> str:
     if world != 1:
         text = f"rank {error.get('rank')}: {text}"
     return text[:500]
+
+
+# One row per (model, precision, optimizer, compile, strategy, devices) in summary.csv,
+# over repeats (aggregate.summarize writes them, in this order).
+SUMMARY_COLUMNS: dict[str, str] = {
+    "model": "model label",
+    "precision": "fp32 or bf16",
+    "optimizer": "sgd or adamw",
+    "compile": "each block's forward under torch.compile",
+    "strategy": "strategy",
+    "devices": "devices",
+    "scaling": "strong (global batch fixed) or weak (per-device batch fixed)",
+    "status": "ok if any repeat ran, else skipped or failed",
+    "reason": "why repeats were skipped or failed (first one), empty when all ran",
+    "repeats_ok": "repeats that ran",
+    "repeats_total": "repeats configured",
+    "global_batch": "samples per optimizer step",
+    "step_time_s": "median over repeats of each repeat's median timed step (headline)",
+    "step_time_min_s": "fastest repeat's median step",
+    "step_time_max_s": "slowest repeat's",
+    "step_time_ci_low_s": "95% bootstrap interval of step_time_s (repeats, then steps)",
+    "step_time_ci_high_s": "upper end of that interval",
+    "step_time_p50_s": "median over all timed steps of all repeats",
+    "step_time_p90_s": "90th percentile over all timed steps of all repeats",
+    "step_time_p95_s": "95th percentile over all timed steps of all repeats",
+    "step_time_iqr_s": "interquartile range over all timed steps of all repeats",
+    "noisy": "True when step_time_iqr_s / step_time_p50_s > 10%",
+    "rank_spread": "slowest rank's step over the fastest's, median over steps",
+    "throughput": "samples per second = global_batch / step_time_s",
+    "tokens_per_s": "language models: tokens per second = throughput x tokens per sample",
+    "speedup": "throughput / throughput of single at 1 device, same model and variant",
+    "efficiency": "speedup / devices",
+    "speedup_ci_low": "95% bootstrap interval of speedup (both cells resampled)",
+    "speedup_ci_high": "upper end of that interval",
+    "efficiency_ci_low": "speedup_ci_low / devices",
+    "efficiency_ci_high": "speedup_ci_high / devices",
+    "flops_per_step": "FLOPs of one optimizer step (FlopCounterMode)",
+    "achieved_flops_per_s": "flops_per_step / step_time_s: FLOP/s achieved",
+    "mfu": "achieved_flops_per_s / peak FLOP/s of the devices used, in the cell's precision",
+    "peak_memory_bytes": "max over repeats of the peak per device",
+    "params_bytes": "parameter bytes held by the fullest rank between steps",
+    "grads_bytes": "gradient bytes held by the fullest rank between steps",
+    "optimizer_bytes": "optimizer-state bytes held by the fullest rank between steps",
+    "max_abs_param_diff": "largest |parameter - single's| after the run, over repeats",
+    "rel_param_diff": "‖params - single's‖ / ‖single's - initial‖, max over repeats",
+    "equivalence_tol": "rel_param_diff allowed: 25 x single's reversed-order distance",
+    "equivalent": "True: same maths as single; False: differs; empty: not comparable",
+    "likely_cause": "where a cell differs: the model's layers that change under this split",
+    "emulated": "true when devices were stand-ins (stages all on one CPU)",
+    "compute_s": "critical profiled step (slowest rank, median step): fwd, bwd, optimizer",
+    "comm_s": "all communication's own time (collectives, send/recv), hidden or not",
+    "comm_exposed_s": "communication compute did not hide: on the critical path",
+    "bubble_s": "a pipeline stage idle, waiting to receive from a neighbour",
+    "data_s": "batch fetch (DataLoader mode) and host-to-device copies",
+    "other_s": "the rest of the profiled step: Python, launch overhead",
+    "profiler_s": "the profiler's own cost in the profiled step, taken out of the parts",
+    "profiled_step_s": "the parts' sum: the critical profiled step less profiler_s",
+    "anatomy_closure": "profiled_step_s / step_time_s: 1 when the parts explain the step",
+    "comm_bytes_per_step": "bytes handed to collectives and send/recv per step, busiest rank",
+    "collectives_per_step": "collectives and send/recv issued per step, busiest rank",
+    "comm_by_op": "per op: collectives and bytes per step (JSON), busiest rank",
+    "predicted_compute_s": "scaling model: single's compute x work share / rank speed",
+    "predicted_bubble_s": "scaling model: (n-1)/m of a stage's compute (pipelines)",
+    "predicted_comm_s": "scaling model: each collective issued, timed on the curves",
+    "predicted_overhead_s": "scaling model: single's data + other time",
+    "predicted_step_s": "scaling model: the sum of the four terms above",
+    "prediction_error": "predicted_step_s / step_time_s - 1",
+    "prediction_flag": "True when the prediction is off by more than 25%",
+    "prediction_miss": "where flagged: the term the model misses most, and why",
+    "model_params_bytes": "analytic parameter bytes per rank",
+    "model_grads_bytes": "analytic gradient bytes per rank",
+    "model_optimizer_bytes": "analytic optimizer-state bytes per rank",
+    "model_activations_bytes": "analytic activation bytes per rank (layer outputs)",
+    "ideal_speedup": "what this hardware could give: n on GPUs; on CPU bounded by cores",
+}

@@ -14,7 +14,6 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from parabench.catalog import record
 from parabench.envinfo import usable_cores
 from parabench.spec import RunSpec
 
@@ -50,7 +49,7 @@ def start(spec: RunSpec) -> Context:
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
-    wants_ranks = record(spec.strategy).uses_torchrun(spec.devices)
+    wants_ranks = spec.ranks > 1
     if wants_ranks and world != spec.devices:
         raise LaunchError(
             f"{spec.strategy} at {spec.devices} devices runs as {spec.devices} ranks: launch with "
@@ -83,7 +82,7 @@ def start(spec: RunSpec) -> Context:
     torch.set_num_threads(threads)
 
     distributed = False
-    if record(spec.strategy).process_group(spec.devices):
+    if spec.record.process_group(spec.devices):
         backend = "nccl" if device.type == "cuda" else "gloo"
         timeout = timedelta(seconds=spec.timeout_s)
         if "MASTER_ADDR" in os.environ:

@@ -27,19 +27,15 @@ import json
 import numpy as np
 import pandas as pd
 
-from parabench.catalog import ACTIVATIONS, GRADS, OPTIMIZER, PARAMS, record
+from parabench.catalog import ACTIVATIONS, GRADS, OPTIMIZER, PARAMS, REFERENCE, record
+from parabench.ops import OPS
 
 TOLERANCE = 0.25
-# Curve names of the ops the profiler counts.
-CURVE = {
-    "all_reduce": "all_reduce",
-    "all_gather": "all_gather",
-    "reduce_scatter": "reduce_scatter",
-    "broadcast": "broadcast",
-    "send": "send_recv",
-    "recv": "send_recv",
-    "all_to_all": "all_gather",
-}
+
+
+def options(row: pd.Series) -> dict:
+    """A summary row's strategy settings (its `options` JSON)."""
+    return json.loads(row["options"]) if isinstance(row.get("options"), str) else {}
 
 
 def curve_time(curves: pd.DataFrame, op: str, devices: int, nbytes: float) -> float:
@@ -47,7 +43,7 @@ def curve_time(curves: pd.DataFrame, op: str, devices: int, nbytes: float) -> fl
     between measured sizes; beyond the largest, time grows with bytes at the largest
     size's bandwidth; below the smallest, the smallest's time (latency bound). NaN
     when no curve was measured."""
-    c = curves[(curves["op"] == CURVE.get(op, op)) & (curves["devices"] == devices)]
+    c = curves[(curves["op"] == OPS[op].curve) & (curves["devices"] == devices)]
     if c.empty or not nbytes:
         return np.nan if c.empty else 0.0
     c = c.sort_values("bytes")
@@ -99,7 +95,7 @@ def predict(summary: pd.DataFrame, curves: pd.DataFrame, variant_keys: list[str]
         "prediction_miss",
     ]
     out = pd.DataFrame(index=summary.index, columns=cols, dtype=object)
-    singles = summary[(summary["strategy"] == "single") & (summary["status"] == "ok")]
+    singles = summary[(summary["strategy"] == REFERENCE) & (summary["status"] == "ok")]
     singles = singles.set_index(variant_keys)
     for i, row in summary[summary["status"] == "ok"].iterrows():
         key = tuple(row[k] for k in variant_keys)
@@ -112,7 +108,7 @@ def predict(summary: pd.DataFrame, curves: pd.DataFrame, variant_keys: list[str]
         compute = single["compute_s"] * work_share(row["strategy"], n) / rank_speed(row, single)
         bubble = 0.0
         if record(row["strategy"]).pipelined:
-            bubble = compute * (n - 1) / max(1, row["microbatches"])
+            bubble = compute * (n - 1) / options(row).get("microbatches", 1)
         comm = comm_time(row["comm_by_op"], curves, n) if n > 1 else 0.0
         overhead = single["data_s"] + single["other_s"]
         predicted = compute + bubble + comm + overhead
@@ -187,7 +183,7 @@ def memory_model(row: pd.Series, params: float, act_per_sample: float) -> dict[s
     states = 2 if row["optimizer"] == "adamw" else 0
     samples = row["global_batch"]
     if r.batch_split == "devices*accum":
-        samples = samples / max(1, row.get("accum_steps", 1))
+        samples = samples / options(row).get("accum_steps", 1)
     width = 2 if row["precision"] == "bf16" else 4
     return {
         "model_params_bytes": params * 4 * share[PARAMS],

@@ -2,7 +2,7 @@
 
 For machines that have torch but not Snakemake (a GPU node's image, a container), and
 for the GPU check. It plans the same cells from the same config, checks them the same
-way, starts each through the same guarded launch as the workflow's rule, then
+way, starts each with the same `parabench launch` command as the workflow's rule, then
 aggregates and renders the same report. A cell whose record exists with the same
 settings is kept, so an interrupted sweep resumes; Snakemake remains the way to run
 on a cluster (scheduling, job groups, Slurm).
@@ -10,67 +10,20 @@ on a cluster (scheduling, job groups, Slurm).
 
 from __future__ import annotations
 
-import copy
-import functools
 import subprocess
 import sys
 from pathlib import Path
 
-import yaml
-
 from parabench import records
 from parabench.config import (
-    as_integers,
+    ConfigError,
     cells,
+    collective_bytes,
     collective_devices,
-    collective_sizes,
+    load_config,
     problems,
 )
-from parabench.launch import collectives_argv, guarded_argv
-
-SCHEMA = Path(__file__).resolve().parents[1] / "schemas" / "config.schema.yaml"
-TEMPLATES = Path(__file__).resolve().parents[2] / "report"
-
-
-class ConfigError(ValueError):
-    """A config that breaks the schema or a rule; the message names the key."""
-
-
-def with_defaults(schema: dict, data: dict) -> dict:
-    """`data` with the schema's defaults filled in, as Snakemake's validate does."""
-    out = dict(data)
-    for key, sub in schema.get("properties", {}).items():
-        if key not in out and "default" in sub:
-            out[key] = sub["default"]
-        if isinstance(out.get(key), dict) and "properties" in sub:
-            out[key] = with_defaults(sub, out[key])
-    return out
-
-
-@functools.cache
-def load_schema() -> dict:
-    return yaml.safe_load(SCHEMA.read_text())
-
-
-def load_config(path: Path) -> dict:
-    """The config file, checked against the schema and given the schema's defaults."""
-    return checked(yaml.safe_load(Path(path).read_text()) or {})
-
-
-def checked(data: dict) -> dict:
-    """`data` checked against the schema (where jsonschema is installed: it comes with
-    Snakemake), with the schema's defaults filled in; ConfigError names the key."""
-    schema = load_schema()
-    try:
-        import jsonschema
-    except ImportError:  # e.g. a GPU image without Snakemake; problems() still runs
-        pass
-    else:
-        validator = jsonschema.validators.validator_for(schema)(schema)
-        if error := jsonschema.exceptions.best_match(validator.iter_errors(data)):
-            where = ".".join(map(str, error.absolute_path)) or "(top level)"
-            raise ConfigError(f"{where}: {error.message}")
-    return as_integers(with_defaults(schema, copy.deepcopy(data)), schema)
+from parabench.launch import launch_collectives_command, launch_command
 
 
 def visible_gpus() -> list[int]:
@@ -86,6 +39,13 @@ def _done(meta: Path, config_hash: str) -> bool:
         return records.read_meta(meta).get("config_hash") == config_hash
     except records.ResultsError:
         return False
+
+
+def _logged(argv: list[str], log: Path) -> None:
+    """Run `argv` with its output in `log` (the launch writes its command first)."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "w") as f:
+        subprocess.run(argv, stdout=f, stderr=subprocess.STDOUT, check=False)
 
 
 def sweep(config: dict, workdir: Path, force: bool = False) -> Path:
@@ -105,13 +65,8 @@ def sweep(config: dict, workdir: Path, force: bool = False) -> Path:
         if not force and _done(meta, spec.config_hash()):
             print(f"{label}: recorded, kept", flush=True)
             continue
-        log = results / "logs" / f"{cell.path}.log"
-        log.parent.mkdir(parents=True, exist_ok=True)
-        argv = guarded_argv(spec, out, config["cell_timeout_s"], python=sys.executable)
-        with open(log, "w") as f:
-            f.write(" ".join(argv) + "\n")
-            f.flush()
-            subprocess.run(argv, stdout=f, stderr=subprocess.STDOUT, check=False)
+        argv = launch_command(spec, out, config["cell_timeout_s"], python=sys.executable)
+        _logged(argv, results / "logs" / f"{cell.path}.log")
         status = records.read_meta(meta)
         print(f"{label}: {status['status']} {status.get('reason') or ''}".rstrip(), flush=True)
 
@@ -121,19 +76,21 @@ def sweep(config: dict, workdir: Path, force: bool = False) -> Path:
         benches.append(out / "meta.json")
         if not force and (out / "collectives.csv").exists():
             continue
-        argv = collectives_argv(
-            n, collective_sizes(config), config["device"], config["timeout_s"], out, sys.executable
+        argv = launch_collectives_command(
+            n,
+            collective_bytes(config),
+            config["device"],
+            config["timeout_s"],
+            out,
+            config["cell_timeout_s"],
+            python=sys.executable,
         )
-        guarded = [sys.executable, "-m", "parabench", "guard", "--out", str(out)]
-        guarded += ["--timeout", f"{config['cell_timeout_s']:g}", "--", *argv]
         log = results / "logs" / "collectives" / f"n{n}.log"
-        log.parent.mkdir(parents=True, exist_ok=True)
-        with open(log, "w") as f:
-            subprocess.run(guarded, stdout=f, stderr=subprocess.STDOUT, check=False)
+        _logged(argv, log)
         print(f"collectives at {n} ranks: {log}", flush=True)
 
     from parabench.aggregate import aggregate
-    from parabench.report import render
+    from parabench.report import TEMPLATES, render
 
     aggregate(
         metas,

@@ -1,7 +1,8 @@
 # One job per cell: (model, strategy, devices, repeat). Repeats are separate launches so
-# launch-to-launch variance shows. `parabench guard` records a failure if the launch
-# leaves no record (crash, kill, timeout), so one bad cell never stops the sweep, and
-# ends the cell's log with the launch's wall time. No `benchmark:` directive: it samples
+# launch-to-launch variance shows. `parabench launch` starts the cell's processes and
+# records a failure if they leave no record (crash, kill, timeout), so one bad cell
+# never stops the sweep; the log starts with the exact command and ends with the
+# launch's wall time. No `benchmark:` directive: it samples
 # the job's processes (psutil, /proc/<pid>/smaps) twice a second for its first 30 s,
 # which is while the steps are timed, and took the cores from the ranks it measured.
 
@@ -23,7 +24,7 @@ rule benchmark:
         # One timed cell at a time per allocation (see resource_scopes in the Snakefile).
         timed_cells=1,
     params:
-        launch=guarded_launch,
+        launch=launch,
     shell:
         "{params.launch} > {log:q} 2>&1"
 
@@ -49,12 +50,10 @@ rule collectives:
         "{params.launch} > {log:q} 2>&1"
 
 
-# A cell needing more GPUs than one node has: one srun task per node, each running a
-# torchrun agent; the agents meet at a c10d rendezvous on the allocation's first node,
-# keyed by the job id. `mpi` tells the Slurm plugin not to wrap the command in its own
-# srun; GPUs are asked per node (--gpus is a total, and slurm_extra refuses --gres).
-# The first host is taken with `sed -n 1p`, not `head -n1`: head closes the pipe early
-# and, under pipefail, scontrol's SIGPIPE would fail the job.
+# A cell needing more GPUs than one node has: the same command, which starts one srun
+# task per node, each a torchrun agent (launch.multinode_argv). Its own rule for its
+# resources: `mpi` tells the Slurm plugin not to wrap the command in its own srun; GPUs
+# are asked per node (--gpus is a total, and slurm_extra refuses --gres).
 ruleorder: benchmark_multinode > benchmark
 
 
@@ -76,15 +75,6 @@ rule benchmark_multinode:
         slurm_extra=lambda wc: f"--gpus-per-node={int(wc.devices) // nodes(wc)}",
         runtime=lambda wc: int(config["cell_timeout_s"] // 60) + 5,
     params:
-        args=run_args,
-        timeout=config["cell_timeout_s"],
-        out=lambda wc, output: Path(output.meta).parent,
-        per_node=lambda wc: int(wc.devices) // nodes(wc),
+        launch=launch,
     shell:
-        'head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p); '
-        "port=$((20000 + SLURM_JOB_ID % 20000)); "
-        "parabench guard --out {params.out:q} --timeout {params.timeout} -- "
-        "{resources.mpi} --nodes={resources.nodes} --ntasks-per-node=1 --kill-on-bad-exit=1 "
-        "torchrun --nnodes={resources.nodes} --nproc-per-node={params.per_node} "
-        '--rdzv-backend=c10d --rdzv-endpoint="$head:$port" --rdzv-id="$SLURM_JOB_ID" '
-        "-m parabench run {params.args} --out {params.out:q} > {log:q} 2>&1"
+        "{params.launch} > {log:q} 2>&1"

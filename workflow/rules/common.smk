@@ -1,21 +1,23 @@
 # Helpers shared by the rules: the cell table and each cell's command line, built by the
-# parabench package (torch-free modules) so the workflow and `parabench run` agree.
+# parabench package (torch-free modules: config, catalog, checks, launch, records) so the
+# workflow and `parabench sweep` plan and start cells the same way.
 import shlex
 from pathlib import Path
 
 from snakemake.exceptions import WorkflowError
 
 from parabench.catalog import OPTIMIZERS, PRECISIONS, STRATEGIES, multi_rank
-from parabench.cli import spec_argv
+from parabench.checks import static_skip_reason
 from parabench.config import (
     as_integers,
     cells,
+    collective_bytes,
     collective_devices,
-    collective_sizes,
+    load_schema,
     problems,
 )
-from parabench.launch import guarded_argv, guarded_collectives_argv
-from parabench.sweep import load_schema
+from parabench.launch import launch_collectives_command, launch_command
+from parabench.records import CELL_DIR
 
 RESULTS = config["results"]
 # The repository (where report/ lives), whatever the working directory is.
@@ -37,9 +39,7 @@ def cell_dir(path):
     return f"{RESULTS}/{path}"
 
 
-# Wildcard patterns, from the catalog: a cell's directory is
-# runs/{model}/{variant}/{strategy}/n{devices}/r{repeat}, variant e.g. bf16-adamw-compile.
-CELL_DIR = "runs/{model}/{variant}/{strategy}/n{devices}/r{repeat}"
+# Wildcard patterns of records.CELL_DIR, from the catalog: variant e.g. bf16-adamw-compile.
 WILDCARDS = {
     "model": r"[A-Za-z][A-Za-z0-9_]*",
     "variant": rf"({'|'.join(PRECISIONS)})-({'|'.join(OPTIMIZERS)})(-compile)?",
@@ -49,28 +49,22 @@ WILDCARDS = {
 }
 
 
-def _cell(wc):
-    return CELLS[f"runs/{wc.model}/{wc.variant}/{wc.strategy}/n{wc.devices}/r{wc.repeat}"]
+def _spec(wc):
+    return CELLS[CELL_DIR.format(**{k: wc[k] for k in WILDCARDS})].spec
 
 
-def run_args(wc):
-    """`parabench run` flags of the cell, shell-quoted: config values never reach the
-    shell unquoted."""
-    return shlex.join(spec_argv(_cell(wc).spec))
-
-
-def guarded_launch(wc, output):
-    """The cell's launch under `parabench guard` (torchrun for several ranks, plain
-    python otherwise), shell-quoted."""
+def launch(wc, output):
+    """The cell's `parabench launch` command (launch.py decides how its ranks start),
+    shell-quoted: config values never reach the shell unquoted."""
     out = Path(output.meta).parent
-    return shlex.join(guarded_argv(_cell(wc).spec, out, config["cell_timeout_s"]))
+    return shlex.join(launch_command(_spec(wc), out, config["cell_timeout_s"]))
 
 
 def gpus(wc):
     """GPUs to ask the scheduler for: none for CPU runs and for cells recorded as
     skipped without running (a job asking for 16 GPUs on 8-GPU nodes would never start)."""
-    spec = _cell(wc).spec
-    if config["device"] == "cpu" or spec.static_skip_reason():
+    spec = _spec(wc)
+    if config["device"] == "cpu" or static_skip_reason(spec):
         return 0
     return spec.devices
 
@@ -78,14 +72,14 @@ def gpus(wc):
 # Cells that span nodes (GPU cells needing more than gpus_per_node, torchrun strategies)
 # go to rule benchmark_multinode; a regex that matches nothing when there are none.
 MULTINODE_DEVICES = sorted(
-    {c.spec.devices for c in CELLS.values() if c.spec.nodes > 1 and not c.spec.static_skip_reason()}
+    {c.spec.devices for c in CELLS.values() if c.spec.nodes > 1 and not static_skip_reason(c.spec)}
 )
 MULTINODE_DEVICES_RE = "|".join(map(str, MULTINODE_DEVICES)) or "(?!)"
 MULTINODE_STRATEGIES_RE = "|".join(multi_rank())
 
 
 def nodes(wc):
-    return _cell(wc).spec.nodes
+    return _spec(wc).nodes
 
 
 # The collectives benchmark: one per multi-rank device count of the sweep.
@@ -94,12 +88,12 @@ COLLECTIVE_DEVICES = collective_devices(config)
 
 def collectives_launch(wc, output):
     return shlex.join(
-        guarded_collectives_argv(
+        launch_collectives_command(
             int(wc.devices),
-            collective_sizes(config),
+            collective_bytes(config),
             config["device"],
             config["timeout_s"],
-            config["cell_timeout_s"],
             Path(output.meta).parent,
+            config["cell_timeout_s"],
         )
     )

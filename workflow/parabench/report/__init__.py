@@ -2,7 +2,8 @@
 no network), from summary.csv, cells.csv and steps.csv only.
 
 Templates, CSS and the per-strategy narratives live under report/ at the repository's
-top (jinja2, autoescape on: every string from results or config is escaped). The code
+top (`TEMPLATES`; jinja2, autoescape on: every string from results or config is
+escaped). The code
 has one home per concern: loading (the tables), figures (the plots), prose (the
 sentences); this module puts them into the template. Figures are named after the
 summary columns they come from, so each number traces to a CSV row.
@@ -24,7 +25,10 @@ from parabench.report.figures import plots
 from parabench.report.loading import Results, row_anchor, rows
 from parabench.report.prose import comm_words, environment, headlines, outcome, why
 
-__all__ = ["LABELS", "Results", "build_context", "load_config", "render"]
+__all__ = ["LABELS", "TEMPLATES", "Results", "build_context", "load_config", "render"]
+
+# The templates: report/ at the repository's top, beside workflow/.
+TEMPLATES = Path(__file__).resolve().parents[3] / "report"
 
 
 def build_context(r: Results, config: dict) -> dict:
@@ -42,7 +46,8 @@ def build_context(r: Results, config: dict) -> dict:
         "anatomy": [
             {**row, "why": why(row, r.collectives)} for row in rows(s[s["status"] == "ok"])
         ],
-        "collectives_16m": rows(
+        # the curves at the largest message measured (64 MiB by default)
+        "collectives_largest": rows(
             r.collectives[r.collectives["bytes"] == r.collectives["bytes"].max()]
             if not r.collectives.empty
             else r.collectives

@@ -14,6 +14,7 @@ import numpy as np
 import pandas as pd
 import seaborn as sns
 
+from parabench import stats
 from parabench.catalog import STRATEGIES
 from parabench.report.loading import Results
 
@@ -30,12 +31,10 @@ def _order(df: pd.DataFrame) -> list[str]:
 
 
 def repeat_speedups(cells: pd.DataFrame, summary: pd.DataFrame) -> pd.DataFrame:
-    """Speedup of each repeat (one point per launch), against single's median."""
+    """Speedup of each repeat (one point per launch), against the reference's median."""
     ok = cells[cells["status"] == "ok"].copy()
     ok["throughput"] = ok["global_batch"] / ok["step_time_median_s"]
-    base = summary[(summary["strategy"] == "single") & (summary["devices"] == 1)]
-    base_thr = base.set_index("panel")["throughput"]
-    ok["speedup"] = ok["throughput"] / ok["panel"].map(base_thr)
+    ok["speedup"] = stats.speedup(ok, summary)
     ok["efficiency"] = ok["speedup"] / ok["devices"]
     return ok
 

@@ -8,8 +8,9 @@ import re
 
 import pandas as pd
 
-from parabench import statistics
+from parabench import stats
 from parabench.catalog import LABELS
+from parabench.ops import OPS
 from parabench.report.loading import row_anchor
 
 
@@ -51,7 +52,7 @@ def headlines(summary: pd.DataFrame, curves: pd.DataFrame | None = None) -> list
             ties = [
                 LABELS.get(r["strategy"], r["strategy"])
                 for _, r in ranked.iloc[1:].iterrows()
-                if not statistics.separated(_ci(best), _ci(r))
+                if not stats.separated(_ci(best), _ci(r))
             ]
             if best["speedup"] >= 1:
                 lead = f"{_fmt_x(best['speedup'])}{_ci_text(best)} the throughput of one device"
@@ -168,7 +169,7 @@ def outcome(summary: pd.DataFrame, cells: pd.DataFrame) -> dict:
         if ok.empty:
             lines.append(f"{panel}: no cell ran. {_causes(rows)}.")
             continue
-        single = rows[(rows["strategy"] == "single") & (rows["devices"] == 1)]
+        single = stats.reference_rows(rows)
         if single.empty:
             lines.append(
                 f"{panel}: no single-device cell in this sweep, so there is no speedup "
@@ -196,18 +197,6 @@ def outcome(summary: pd.DataFrame, cells: pd.DataFrame) -> dict:
     return {"level": "warn" if lines else "", "lines": lines}
 
 
-OP_WORDS = {
-    "all_reduce": "all-reduce",
-    "all_gather": "all-gather",
-    "reduce_scatter": "reduce-scatter",
-    "broadcast": "broadcast",
-    "send": "send",
-    "recv": "receive",
-    "all_to_all": "all-to-all",
-}
-CURVE_OP = {"send": "send_recv", "recv": "send_recv"}
-
-
 def _size(nbytes: float) -> str:
     for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
         if nbytes >= scale:
@@ -222,7 +211,7 @@ def comm_words(comm_by_op: str) -> str:
     for op, v in sorted(ops.items(), key=lambda kv: -kv[1]["bytes"]):
         calls = round(v["count"])
         plural = "s" if calls != 1 else ""
-        parts.append(f"{OP_WORDS.get(op, op)} of {_size(v['bytes'])} ({calls} call{plural})")
+        parts.append(f"{OPS[op].words} of {_size(v['bytes'])} ({calls} call{plural})")
     return " and ".join(parts[:2]) + (f" and {len(parts) - 2} more" if len(parts) > 2 else "")
 
 
@@ -230,7 +219,7 @@ def busbw_at(curves: pd.DataFrame, op: str, devices: int, nbytes: float) -> floa
     """The benchmark's bus bandwidth for `op` at the measured size nearest `nbytes`."""
     if curves.empty:
         return None
-    c = curves[(curves["op"] == CURVE_OP.get(op, op)) & (curves["devices"] == devices)]
+    c = curves[(curves["op"] == OPS[op].curve) & (curves["devices"] == devices)]
     if c.empty:
         return None
     return float(c.iloc[(c["bytes"] - nbytes).abs().argmin()]["busbw_GBps"])

@@ -11,7 +11,7 @@ import importlib
 import torch
 
 from parabench.catalog import record
-from parabench.models import Model
+from parabench.models.base import Model
 from parabench.runtime import Context
 from parabench.spec import RunSpec
 from parabench.strategies.base import Strategy

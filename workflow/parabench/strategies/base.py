@@ -22,7 +22,7 @@ from torch import nn
 
 from parabench.data import Shard
 from parabench.flops import block_flops
-from parabench.models import Model
+from parabench.models.base import Model
 from parabench.partition import balanced_cuts
 from parabench.runtime import Context
 from parabench.spec import RunSpec

@@ -12,7 +12,8 @@ from dataclasses import replace
 import torch
 from torch import nn
 
-from parabench.models import Model
+from parabench.checks import static_skip_reason
+from parabench.models.base import Model
 from parabench.runtime import Context
 from parabench.spec import RunSpec
 from parabench.strategies.base import Strategy, cpu_params, make_optimizer, train_step
@@ -24,7 +25,7 @@ class DataParallel(Strategy):
     @classmethod
     def skip_reason(cls, spec: RunSpec, ctx: Context) -> str | None:
         if ctx.device.type != "cuda":  # also device "auto" that found no GPU
-            return replace(spec, device="cpu").static_skip_reason()
+            return static_skip_reason(replace(spec, device="cpu"))
         return super().skip_reason(spec, ctx)
 
     def __init__(self, model: Model, spec: RunSpec, ctx: Context) -> None:

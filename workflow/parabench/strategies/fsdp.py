@@ -16,7 +16,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from parabench.data import Shard
-from parabench.models import Model
+from parabench.models.base import Model
 from parabench.runtime import Context
 from parabench.spec import RunSpec
 from parabench.strategies.base import Strategy, full_params, make_optimizer, train_step
@@ -29,9 +29,10 @@ class FullyShard(Strategy):
         super().__init__(model, spec, ctx)
         mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
         blocks = model.blocks.to(ctx.device)
+        reshard = spec.option("reshard_after_forward")
         for block in blocks:  # one all-gather / reduce-scatter unit per block
-            fully_shard(block, mesh=mesh, reshard_after_forward=spec.fsdp_reshard)
-        fully_shard(blocks, mesh=mesh, reshard_after_forward=spec.fsdp_reshard)
+            fully_shard(block, mesh=mesh, reshard_after_forward=reshard)
+        fully_shard(blocks, mesh=mesh, reshard_after_forward=reshard)
         self.module = blocks
         self.opt = make_optimizer(blocks.parameters(), spec)
 

@@ -12,7 +12,7 @@ import contextlib
 import torch
 
 from parabench.data import Shard
-from parabench.models import Model
+from parabench.models.base import Model
 from parabench.runtime import Context
 from parabench.spec import RunSpec
 from parabench.strategies.base import Strategy, cpu_params, make_optimizer
@@ -24,7 +24,7 @@ class GradAccum(Strategy):
 
     def __init__(self, model: Model, spec: RunSpec, ctx: Context) -> None:
         super().__init__(model, spec, ctx)
-        self.k = spec.accum_steps
+        self.k = spec.option("accum_steps")
         self.ddp = ctx.world_size > 1
         self.module = wrap_ddp(model, ctx) if self.ddp else model.blocks.to(ctx.device)
         self.opt = make_optimizer(self.module.parameters(), spec)

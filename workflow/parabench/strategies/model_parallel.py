@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from parabench.models import Model
+from parabench.models.base import Model
 from parabench.runtime import Context
 from parabench.spec import RunSpec
 from parabench.strategies.base import (

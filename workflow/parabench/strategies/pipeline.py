@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-from parabench.models import Model, example_batch
+from parabench.models.base import Model, example_batch
 from parabench.runtime import Context
 from parabench.spec import RunSpec
 from parabench.strategies.base import (
@@ -62,7 +62,8 @@ class Pipeline(Strategy):
         # data (BCELoss then fails about half the time). Tensors a gradient flows through
         # (every input but the first stage's, every output) must say so, or the stage
         # neither sends nor expects gradients.
-        micro = spec.global_batch // spec.microbatches
+        m = spec.option("microbatches")
+        micro = spec.global_batch // m
         with torch.no_grad():
             act = example_batch(model, micro)[0]
             for i in range(lo):
@@ -82,8 +83,8 @@ class Pipeline(Strategy):
             input_args=(example_in,),
             output_args=(example_out.to(ctx.device, wire).requires_grad_(True),),
         )
-        self.schedule = SCHEDULES[spec.schedule](
-            stage, n_microbatches=spec.microbatches, loss_fn=self.loss_fn
+        self.schedule = SCHEDULES[spec.option("schedule")](
+            stage, n_microbatches=m, loss_fn=self.loss_fn
         )
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

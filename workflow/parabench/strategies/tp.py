@@ -19,7 +19,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from parabench.models import Model
+from parabench.models.base import Model
 from parabench.runtime import Context
 from parabench.spec import RunSpec
 from parabench.strategies.base import Strategy, full_params, make_optimizer, train_step

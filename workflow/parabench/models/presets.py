@@ -1,45 +1,22 @@
-"""Models: presets and the user's own, each an nn.Sequential of blocks plus a loss and a
-batch generator, so stages can be cut between blocks and the rest of the package treats
-every model alike.
+"""The preset models, built from their sizes (the defaults under what the config gives).
 
-The contract (what a custom factory returns, docs/custom-models.md):
-- blocks: nn.Sequential; block i+1 takes block i's output; stages are cut between blocks
-- loss(output, target) -> scalar mean over the batch
-- batch(batch_size, generator) -> (inputs, targets), deterministic given the generator,
-  batch dimension first; parabench moves it to the device and slices it per rank
-- tp_plan (optional): module name (relative to blocks) -> "colwise" | "rowwise" (or a
-  torch ParallelStyle), each column-wise layer followed by its row-wise partner
-
-Presets: `mlp` (the seed MLP), `seqnet` (the DDP tutorial's net), `resmlp` (uniform
-pre-norm residual MLP blocks) and `gpt` (a decoder-only transformer in nanoGPT's shape).
+`mlp` (the seed MLP), `seqnet` (the DDP tutorial's net), `resmlp` (uniform pre-norm
+residual MLP blocks) and `gpt` (a decoder-only transformer in nanoGPT's shape). Their
+planning facts (blocks, tensor-parallel widths) are facts.py's, from the same sizes.
 """
 
 from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
-from parabench.spec import ModelSpec
-
-
-@dataclass
-class Model:
-    blocks: nn.Sequential
-    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-    # batch(n, generator) -> (inputs, targets). Presets draw on the generator's device;
-    # a custom model's batch is drawn on the CPU (device_batches False) and moved.
-    batch: Callable[[int, torch.Generator], tuple[torch.Tensor, torch.Tensor]]
-    # Tensor parallelism: module names (relative to `blocks`) -> "colwise" | "rowwise".
-    tp_plan: dict = field(default_factory=dict)
-    device_batches: bool = True
-    tokens_per_sample: int = 0  # language models: tokens in one sample (throughput)
-
+from parabench.models.base import Model
+from parabench.models.facts import DEFAULTS, gpt_layout, linear_pairs
 
 # ---------------------------------------------------------------- MLP-like presets
 
@@ -66,17 +43,16 @@ def _linear_stack(dims: list[int], last: nn.Module | None) -> nn.Sequential:
     return nn.Sequential(*blocks)
 
 
-def linear_pairs(blocks: nn.Sequential) -> dict[str, str]:
-    """The TP plan of a stack of Linear layers: consecutive pairs (0, 1), (2, 3), ...,
-    the first column-wise and the second row-wise; an odd last layer stays replicated."""
+def linear_plan(blocks: nn.Sequential) -> dict[str, str]:
+    """The TP plan of a stack of Linear layers (facts.linear_pairs)."""
     names = [
         name
         for name, m in blocks.named_modules()
         if isinstance(m, nn.Linear) and name.count(".") <= 1
     ]
     plan = {}
-    for first, second in zip(names[0::2], names[1::2], strict=False):
-        plan[first], plan[second] = "colwise", "rowwise"
+    for first, second in linear_pairs(len(names)):
+        plan[names[first]], plan[names[second]] = "colwise", "rowwise"
     return plan
 
 
@@ -95,22 +71,22 @@ def features_batch(features: int, classes: int | None) -> Callable:
     return batch
 
 
-def _mlp(spec: ModelSpec) -> Model:
-    dims = list(spec.size("dims"))
+def _mlp(sizes: Mapping) -> Model:
+    dims = list(sizes["dims"])
     blocks = _linear_stack(dims, nn.Sigmoid())
-    return Model(blocks, nn.BCELoss(), features_batch(dims[0], None), linear_pairs(blocks))
+    return Model(blocks, nn.BCELoss(), features_batch(dims[0], None), linear_plan(blocks))
 
 
-def _seqnet(spec: ModelSpec) -> Model:
-    dims = list(spec.size("dims"))
+def _seqnet(sizes: Mapping) -> Model:
+    dims = list(sizes["dims"])
     blocks = _linear_stack(dims, None)
     batch = features_batch(dims[0], dims[-1])
-    return Model(blocks, nn.CrossEntropyLoss(), batch, linear_pairs(blocks))
+    return Model(blocks, nn.CrossEntropyLoss(), batch, linear_plan(blocks))
 
 
-def _resmlp(spec: ModelSpec) -> Model:
-    d_in, width = spec.size("d_in"), spec.size("width")
-    classes, depth = spec.size("classes"), spec.size("depth")
+def _resmlp(sizes: Mapping) -> Model:
+    d_in, width = sizes["d_in"], sizes["width"]
+    classes, depth = sizes["classes"], sizes["depth"]
     blocks = nn.Sequential(
         nn.Sequential(nn.Linear(d_in, width), nn.GELU()),
         *(Residual(width) for _ in range(depth)),
@@ -205,14 +181,17 @@ def token_batch(vocab: int, seq_len: int) -> Callable:
     return batch
 
 
-def _gpt(spec: ModelSpec) -> Model:
-    vocab, seq_len = spec.size("vocab"), spec.size("seq_len")
-    n_layer, n_head, d = spec.size("n_layer"), spec.size("n_head"), spec.size("d_model")
+def _gpt(sizes: Mapping) -> Model:
+    vocab, seq_len = sizes["vocab"], sizes["seq_len"]
+    n_layer, n_head, d = sizes["n_layer"], sizes["n_head"], sizes["d_model"]
     # Embedding and head untied (nanoGPT ties them): tied weights would belong to the
     # first and the last pipeline stage, and to two FSDP units, at once.
-    blocks = nn.Sequential(
-        Embed(vocab, seq_len, d), *(Block(d, n_head) for _ in range(n_layer)), Head(d, vocab)
-    )
+    make = {
+        "embed": lambda: Embed(vocab, seq_len, d),
+        "block": lambda: Block(d, n_head),
+        "head": lambda: Head(d, vocab),
+    }
+    blocks = nn.Sequential(*(make[kind]() for kind in gpt_layout(n_layer)))
     # nanoGPT's initialisation: N(0, 0.02), residual projections scaled by 1/sqrt(2L).
     for name, p in blocks.named_parameters():
         if name.endswith("bias"):
@@ -235,7 +214,7 @@ def _gpt(spec: ModelSpec) -> Model:
     return Model(blocks, lm_loss, token_batch(vocab, seq_len), plan, tokens_per_sample=seq_len)
 
 
-PRESETS: dict[str, Callable[[ModelSpec], Model]] = {
+_BUILDERS: dict[str, Callable[[Mapping], Model]] = {
     "mlp": _mlp,
     "seqnet": _seqnet,
     "resmlp": _resmlp,
@@ -243,38 +222,9 @@ PRESETS: dict[str, Callable[[ModelSpec], Model]] = {
 }
 
 
-def build(spec: ModelSpec, seed: int) -> Model:
-    """Build the model on CPU with weights drawn from `seed`, so every rank and every
-    strategy starts from identical parameters."""
-    torch.manual_seed(seed)
-    if spec.arch == "custom":
-        from parabench.custom import build_custom
-
-        return build_custom(spec)
-    return PRESETS[spec.arch](spec)
+def _with_defaults(arch: str) -> Callable[[Mapping], Model]:
+    return lambda sizes: _BUILDERS[arch]({**DEFAULTS[arch], **sizes})
 
 
-def example_batch(model: Model, n: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """A CPU batch of n samples, for shapes and checks."""
-    gen = torch.Generator().manual_seed(seed)
-    return model.batch(n, gen)
-
-
-def maths_notes(model: Model) -> list[str]:
-    """Layers whose result depends on how the batch is split or on random draws: under
-    data parallelism or micro-batching their maths really changes, so a strategy that
-    splits the batch differs from `single` for a reason, named here."""
-    notes = []
-    for name, m in model.blocks.named_modules():
-        if isinstance(m, nn.modules.batchnorm._BatchNorm):
-            notes.append(
-                f"{type(m).__name__} at blocks.{name} normalises over the samples one "
-                "rank or micro-batch sees (B/n or B/m), not the whole batch B "
-                "(SyncBatchNorm would restore it across ranks)"
-            )
-        elif isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0:
-            notes.append(
-                f"{type(m).__name__}(p={m.p}) at blocks.{name} draws random masks, "
-                "which no two strategies draw alike"
-            )
-    return notes
+# Each preset's builder from its sizes (the caller has seeded torch: models.build).
+PRESET_BUILDERS: dict[str, Callable[[Mapping], Model]] = {a: _with_defaults(a) for a in _BUILDERS}

@@ -18,26 +18,20 @@ import functools
 import importlib
 import os
 import sys
-from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-from parabench.models import Model, example_batch
-from parabench.spec import ModelSpec
+from parabench.models.base import Model, example_batch
+from parabench.models.facts import ModelFacts, TPSplit
+
+if TYPE_CHECKING:
+    from parabench.spec import ModelSpec
 
 
 class FactoryError(ValueError):
     """The factory cannot give a model that keeps the contract."""
-
-
-@dataclass(frozen=True)
-class FactoryReport:
-    """What planning needs to know of a custom model, and what is wrong with it."""
-
-    problems: list[str] = field(default_factory=list)
-    n_blocks: int = 0
-    has_tp_plan: bool = False
 
 
 def _load(path: str):
@@ -58,8 +52,9 @@ def _load(path: str):
 
 def build_custom(spec: ModelSpec) -> Model:
     """Call the factory (the caller has seeded torch) and check what it returns."""
-    fn = _load(spec.size("factory"))
-    args = dict(spec.size("args"))
+    sizes = spec.size_dict()
+    fn = _load(sizes["factory"])
+    args = dict(sizes.get("args") or {})
     try:
         got = fn(**args)
     except Exception as e:
@@ -115,13 +110,25 @@ def check_runs(model: Model, n: int = 4) -> None:
         raise FactoryError("loss must return a scalar tensor (the mean over the batch)")
 
 
+def tp_widths(model: Model) -> tuple[int, ...]:
+    """What the model's own tensor-parallel plan splits: each column-wise Linear's
+    outputs and each row-wise Linear's inputs (a custom ParallelStyle: not known)."""
+    widths = []
+    for name, style in model.tp_plan.items():
+        layer = model.blocks.get_submodule(name)
+        if isinstance(layer, nn.Linear) and style in ("colwise", "rowwise"):
+            widths.append(layer.out_features if style == "colwise" else layer.in_features)
+    return tuple(dict.fromkeys(widths))
+
+
 @functools.cache
-def inspect_factory(spec: ModelSpec) -> FactoryReport:
+def inspect_factory(spec: ModelSpec) -> ModelFacts:
     """Import, call and check the factory once per process (planning, each cell)."""
     try:
         torch.manual_seed(0)
         model = build_custom(spec)
         check_runs(model)
     except FactoryError as e:
-        return FactoryReport(problems=[str(e)])
-    return FactoryReport(n_blocks=len(model.blocks), has_tp_plan=bool(model.tp_plan))
+        return ModelFacts(0, False, problems=(f"factory: {e}",))
+    split = TPSplit("factory", "the planned layers' widths", tp_widths(model))
+    return ModelFacts(len(model.blocks), bool(model.tp_plan), (split,) if split.widths else ())

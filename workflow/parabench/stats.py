@@ -7,14 +7,20 @@ within each the timed steps (step-to-step variance), and take the same statistic
 With one repeat only the steps are resampled, so the interval covers step noise only,
 not the launch-to-launch variance a shared machine adds; docs/results.md says so.
 
-A speedup is a ratio of two cells' step times (or throughputs): its interval is the
-percentile interval of the ratio of the two cells' independent bootstrap draws.
+Speedup is defined here, once (`speedup`): a cell's throughput over the reference
+strategy's (`single`, catalog.REFERENCE) at one device, in the same model and variant.
+Under strong scaling (same global batch) that equals T(single) / T(cell); under weak
+scaling it is the throughput ratio. Its interval is the percentile interval of the
+ratio of the two cells' independent bootstrap draws.
 """
 
 from __future__ import annotations
 
 import numpy as np
 import pandas as pd
+
+from parabench.catalog import REFERENCE
+from parabench.records import VARIANT_KEYS
 
 RESAMPLES = 2000
 LEVEL = 0.95
@@ -103,12 +109,25 @@ def step_statistics(steps: pd.DataFrame, keys: list[str]) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def speedup_intervals(
-    summary: pd.DataFrame, steps: pd.DataFrame, variant_keys: list[str]
-) -> pd.DataFrame:
-    """speedup_ci_low/high and efficiency_ci_low/high of every row with a `single` at
-    one device to compare with: the interval of T_single / T_cell x (B_cell / B_single),
-    which is the throughput ratio under both strong and weak scaling."""
+def reference_rows(summary: pd.DataFrame) -> pd.DataFrame:
+    """The rows speedups are measured against: the reference strategy at one device."""
+    return summary[(summary["strategy"] == REFERENCE) & (summary["devices"] == 1)]
+
+
+def speedup(rows: pd.DataFrame, summary: pd.DataFrame) -> pd.Series:
+    """Each row's throughput over the reference's in the same variant (NaN without one).
+    `rows` need a `throughput` column and the variant keys; `summary`, its reference rows'
+    throughput."""
+    keys = list(VARIANT_KEYS)
+    base = reference_rows(summary).set_index(keys)["throughput"].rename("_reference")
+    return rows["throughput"] / rows.join(base, on=keys)["_reference"]
+
+
+def speedup_intervals(summary: pd.DataFrame, steps: pd.DataFrame) -> pd.DataFrame:
+    """speedup_ci_low/high and efficiency_ci_low/high of every row with a reference to
+    compare with: the interval of T_ref / T_cell x (B_cell / B_ref), which is the
+    throughput ratio under both strong and weak scaling (see `speedup`)."""
+    variant_keys = list(VARIANT_KEYS)
     keys = [*variant_keys, "strategy", "devices"]
     boot = cell_draws(steps, keys)
     out = pd.DataFrame(
@@ -116,17 +135,13 @@ def speedup_intervals(
         index=summary.index,
         columns=["speedup_ci_low", "speedup_ci_high", "efficiency_ci_low", "efficiency_ci_high"],
     )
+    base_batch = reference_rows(summary).set_index(variant_keys)["global_batch"]
     for i, row in summary.iterrows():
         key = tuple(row[k] for k in keys)
-        base_key = (*(row[k] for k in variant_keys), "single", 1)
+        base_key = (*(row[k] for k in variant_keys), REFERENCE, 1)
         if key not in boot or base_key not in boot:
             continue
-        base = summary[
-            (summary["strategy"] == "single")
-            & (summary["devices"] == 1)
-            & np.logical_and.reduce([summary[k] == row[k] for k in variant_keys])
-        ]
-        batch_ratio = row["global_batch"] / base["global_batch"].iloc[0]
+        batch_ratio = row["global_batch"] / base_batch.loc[tuple(row[k] for k in variant_keys)]
         lo, hi = interval(boot[base_key] / boot[key] * batch_ratio)
         out.loc[i] = [lo, hi, lo / row["devices"], hi / row["devices"]]
     return out

@@ -1,0 +1,49 @@
+"""Models: the presets and the user's own, behind two calls.
+
+- `facts(spec)`: what planning must know (blocks, tensor-parallel widths, size
+  problems). Torch-free for the presets (facts.py), so the Snakefile plans without
+  importing torch; a custom model is imported, built and checked once (custom.py).
+- `build(spec, seed)`: the model itself, a `base.Model` (needs torch).
+
+Every model is an nn.Sequential of blocks plus a loss and a batch generator, so
+stages are cut between blocks and the rest of the package treats every model alike
+(base.py holds that contract). Presets: `mlp` (the seed MLP), `seqnet` (the DDP
+tutorial's net), `resmlp` (uniform pre-norm residual MLP blocks) and `gpt` (a
+decoder-only transformer in nanoGPT's shape), in presets.py.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from parabench.models.facts import DEFAULTS, PRESETS, ModelFacts, preset_facts
+
+if TYPE_CHECKING:
+    from parabench.models.base import Model
+    from parabench.spec import ModelSpec
+
+__all__ = ["DEFAULTS", "PRESETS", "ModelFacts", "build", "facts"]
+
+
+def facts(spec: ModelSpec) -> ModelFacts:
+    """What planning needs to know of the model, and what is wrong with its sizes."""
+    if spec.arch == "custom":
+        from parabench.models.custom import inspect_factory
+
+        return inspect_factory(spec)
+    return preset_facts(spec.arch, spec.size_dict())
+
+
+def build(spec: ModelSpec, seed: int) -> Model:
+    """The model on CPU with weights drawn from `seed`, so every rank and every
+    strategy starts from identical parameters."""
+    import torch
+
+    torch.manual_seed(seed)
+    if spec.arch == "custom":
+        from parabench.models.custom import build_custom
+
+        return build_custom(spec)
+    from parabench.models.presets import PRESET_BUILDERS
+
+    return PRESET_BUILDERS[spec.arch](spec.size_dict())

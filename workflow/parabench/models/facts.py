@@ -1,0 +1,101 @@
+"""What planning must know of a preset model, from its sizes alone, torch-free.
+
+The Snakefile plans before any torch is imported: how many blocks a stage cut can fall
+between, which widths tensor parallelism splits, which sizes cannot build a model. Each
+preset's facts are a function of its sizes, and its builder (presets.py) builds from
+the same functions (`gpt_layout` names the blocks the builder stacks), so the two
+cannot drift; tests/test_models.py checks every preset's facts against the model it
+builds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+# Default sizes: the seeds' MLP and the DDP tutorial's SeqNet; gpt's are GPT-2 small's
+# shape. A custom model names its factory and the factory's arguments.
+DEFAULTS: dict[str, dict] = {
+    "mlp": {"dims": [1000, 400, 300, 200, 100, 50, 1]},
+    "seqnet": {"dims": [784, 200, 200, 10]},
+    "resmlp": {"d_in": 256, "width": 256, "depth": 8, "classes": 10},
+    "gpt": {"vocab": 50257, "seq_len": 1024, "n_layer": 12, "n_head": 12, "d_model": 768},
+    "custom": {"factory": None, "args": {}},
+}
+PRESETS: tuple[str, ...] = ("mlp", "seqnet", "resmlp", "gpt")
+
+
+@dataclass(frozen=True)
+class TPSplit:
+    """Widths that tensor parallelism cuts into one slice per rank, and the size key
+    they come from (the key a message names)."""
+
+    key: str
+    what: str  # "the widths", "attention heads", ...
+    widths: tuple[int, ...]
+
+    def problem(self, devices: int) -> str | None:
+        bad = [w for w in self.widths if w % devices]
+        if not bad:
+            return None
+        shown = self.widths[0] if len(self.widths) == 1 else list(self.widths)
+        return (
+            f"{self.key}: tensor parallel splits {self.what} {shown} over {devices} ranks, "
+            f"and {bad[0] if len(bad) == 1 else bad} do not divide by {devices}"
+        )
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    n_blocks: int  # blocks a stage cut can fall between (pipeline, model parallel)
+    has_tp_plan: bool  # the model declares layers for tensor parallelism
+    tp_splits: tuple[TPSplit, ...] = ()
+    problems: tuple[str, ...] = field(default=())  # "key: message", key under models.<name>
+
+    def tp_problem(self, devices: int) -> str | None:
+        """Why tensor parallelism cannot split this model over `devices`, or None."""
+        for split in self.tp_splits:
+            if why := split.problem(devices):
+                return why
+        return None
+
+
+def linear_pairs(n_linear: int) -> list[tuple[int, int]]:
+    """The pairs of a stack of Linear layers that tensor parallelism splits: (0, 1),
+    (2, 3), ..., the first column-wise, the second row-wise; an odd last layer stays
+    replicated. The mlp presets' plan (presets.py) and their widths here both use it."""
+    return [(i, i + 1) for i in range(0, n_linear - 1, 2)]
+
+
+def gpt_layout(n_layer: int) -> list[str]:
+    """The gpt preset's blocks, in order: what a stage cut falls between."""
+    return ["embed", *(["block"] * n_layer), "head"]
+
+
+def _mlp(sizes: Mapping) -> ModelFacts:
+    dims = list(sizes["dims"])
+    # layer i maps dims[i] to dims[i + 1]: a pair (i, i + 1) splits its inner width
+    inner = tuple(dims[i + 1] for i, _ in linear_pairs(len(dims) - 1))
+    split = TPSplit("dims", "the widths", inner)
+    return ModelFacts(len(dims) - 1, True, (split,))
+
+
+def _resmlp(sizes: Mapping) -> ModelFacts:
+    hidden = 4 * sizes["width"]
+    split = TPSplit("width", "the MLP's 4 x width", (hidden,))
+    return ModelFacts(sizes["depth"] + 2, True, (split,))
+
+
+def _gpt(sizes: Mapping) -> ModelFacts:
+    d, heads = sizes["d_model"], sizes["n_head"]
+    problems = () if d % heads == 0 else (f"d_model: {d} is not divisible by n_head ({heads})",)
+    split = TPSplit("n_head", "attention heads", (heads,))
+    return ModelFacts(len(gpt_layout(sizes["n_layer"])), True, (split,), problems)
+
+
+PRESET_FACTS = {"mlp": _mlp, "seqnet": _mlp, "resmlp": _resmlp, "gpt": _gpt}
+
+
+def preset_facts(arch: str, sizes: Mapping) -> ModelFacts:
+    """Facts of a preset at these sizes (the defaults under them)."""
+    return PRESET_FACTS[arch]({**DEFAULTS[arch], **sizes})
