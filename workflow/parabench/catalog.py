@@ -68,8 +68,9 @@ class StrategyRecord:
     compiles: bool = True  # torch.compile composes with it (per block)
     reference: bool = False  # the baseline of speedup and equivalence
     # What its point-to-point and list collectives carry: "gradients" (fp32, like the
-    # parameters) or "activations" (in the compute precision: bf16 under autocast).
-    # The profiler records those tensors' shapes but not their dtype.
+    # parameters), "activations" (in the compute precision: bf16 under autocast) or
+    # "bf16 gradients" (compressed for the wire). The profiler records those tensors'
+    # shapes but not their dtype, so bytes are counted at `wire_bytes`.
     sends: str = "gradients"
     # Gradients rounded to this many significant bits before they are averaged
     # (a compression hook): the maths differs from single's by that rounding, and the
@@ -87,6 +88,12 @@ class StrategyRecord:
     def narrative(self) -> str:
         """The report template that explains the strategy (under report/)."""
         return f"strategies/{self.name}.html.j2"
+
+    def wire_bytes(self, precision: str) -> int:
+        """Bytes per element of what its list collectives and point-to-point carry."""
+        if self.sends == "activations":
+            return 2 if precision == "bf16" else 4
+        return 2 if self.sends == "bf16 gradients" else 4
 
     def process_group(self, devices: int) -> bool:
         """Whether the cell's code runs in a process group (DDP at one rank does too)."""

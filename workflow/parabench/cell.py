@@ -172,7 +172,7 @@ def _run(spec: RunSpec, ctx: runtime.Context, out: Path, common: dict, t_start: 
     held = strategy.held_bytes()  # between steps: what the rank keeps, not transients
     state = strategy.full_state()  # after every step of the plan, before the memory step
     profiled = profiler.finish(len(steps), out)
-    list_bytes = 2 if spec.precision == "bf16" and spec.record.sends == "activations" else 4
+    list_bytes = spec.record.wire_bytes(spec.precision)
     profiler_s = profiling.profiler_cost(
         profiled.cpu_s, measured.timed_cpu_s, profiling.oversubscription(ctx)
     )
