@@ -144,3 +144,33 @@ def test_compiled_blocks_under_fsdp_do_the_same_maths(reference, tmp_path):
     assert meta["spec"]["compile"] is True
     rel, tol = verdict(load_params(tmp_path), single, ref_meta, "fsdp", 2)
     assert rel <= tol, f"compiled fsdp: {rel:.2e} > tolerance {tol:.2e}"
+
+
+@pytest.mark.parametrize("devices", [2, 4])
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+def test_bf16_gradient_compression_differs_by_its_rounding_and_no_more(
+    reference, cells, optimizer, devices
+):
+    """ddp_compress rounds each averaged gradient to bf16: further from single than
+    fp32 rounding (so the hook really ran), within the tolerance derived from bf16's
+    8 significant bits, and half the learning rate still lands far outside it."""
+    lr = ADAMW_LR if optimizer == "adamw" else LR
+    single, ref_meta = reference(TINY_RES, "fp32", optimizer, lr)
+    spec = tiny_spec("ddp_compress", devices, model=TINY_RES, optimizer=optimizer, lr=lr)
+    meta, proc, out = cells(spec)
+    assert meta["status"] == "ok", f"{meta['reason']}\n{proc.stderr[-2000:]}"
+    rel, tol = verdict(load_params(out), single, ref_meta, "ddp_compress", devices)
+    _, fp32_tol = verdict(single, single, ref_meta, "ddp", devices)
+    print(f"\nddp_compress {optimizer} n={devices}: {rel:.2e} (tolerance {tol:.2e})")
+    assert fp32_tol < rel <= tol
+    half, _ = reference(TINY_RES, "fp32", optimizer, lr / 2)
+    assert verdict(half, single, ref_meta, "ddp_compress", devices)[0] > 2 * tol
+
+
+def test_bf16_gradient_compression_sends_half_of_ddps_bytes(cells):
+    sent = {}
+    for strategy in ("ddp", "ddp_compress"):
+        meta, proc, _ = cells(tiny_spec(strategy, 2, lr=LR))
+        assert meta["status"] == "ok", f"{meta['reason']}\n{proc.stderr[-2000:]}"
+        sent[strategy] = meta["comm_per_rank"][0]["all_reduce"]["bytes"]
+    assert sent["ddp_compress"] == sent["ddp"] / 2

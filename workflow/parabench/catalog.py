@@ -155,6 +155,17 @@ _RECORDS = (
         sharded=frozenset({ACTIVATIONS}),
     ),
     StrategyRecord(
+        "ddp_compress",
+        "DDP, bf16 gradients",
+        "ddp_compress:CompressedDDP",
+        "DDP whose communication hook all-reduces gradients in bf16: half the bytes",
+        launch=RANK_PER_DEVICE,
+        batch_split="devices",
+        sharded=frozenset({ACTIVATIONS}),
+        sends="bf16 gradients",
+        gradient_bits=8,  # bfloat16: 8 significant bits
+    ),
+    StrategyRecord(
         "zero1",
         "ZeRO-1",
         "zero1:Zero1",
