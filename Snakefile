@@ -6,17 +6,24 @@ from snakemake.utils import min_version, validate
 min_version("8.20")
 
 
-configfile: "config/config.yaml"
+# A user's --configfile is the whole config (the schema's defaults under it), as in
+# `parabench sweep`; config/config.yaml is only the config of a run that names none.
+# (A `configfile:` always read would be deep-merged under the user's: their one-model
+# config would also run the default models.) --config key=value still overrides.
+if not workflow.overwrite_configfiles:
+
+    configfile: "config/config.yaml"
 
 
 validate(config, "workflow/schemas/config.schema.yaml")
 
 
-# Cells packed into one Slurm allocation (job groups, see profiles/slurm) must run one
-# after another, never side by side, or they would time each other. With
-# `--resources timed_cells=1` and this scope, each group job gets its own pool of one:
-# Snakemake stacks the group's cells in series and asks for the largest cell's GPUs and
-# the sum of their runtimes, while the sweep as a whole stays unlimited.
+# Timed jobs (cells, the collectives benchmark) take one `timed_cells` each, and the
+# profiles give one (`resources: timed_cells: 1`), so no two are timed side by side on
+# one machine whatever --cores says. Locally the scope makes no difference. On Slurm,
+# "local" makes it a pool per submitted job: separate jobs run at once (each on its own
+# node), and a job group stacks its cells one after another, asking for the sum of
+# their runtimes (the cells of one group job run in series in any case).
 resource_scopes:
     timed_cells="local",
 

@@ -61,7 +61,7 @@ def make_cells(root: Path) -> list[Path]:
                             }
                             for i in range(STEPS)
                         ]
-                        records.write_ok(
+                        records.write_ran(
                             out,
                             rows,
                             params,

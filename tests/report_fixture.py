@@ -97,7 +97,7 @@ def make_results(
                 else {}
             )
             held = {"params": 4000 // n, "grads": 4000 // n, "optimizer": 8000 // n}
-            records.write_ok(
+            records.write_ran(
                 out,
                 rows,
                 _params(0.0 if strategy != "ddp" else DDP_OFFSET),

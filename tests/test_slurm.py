@@ -70,7 +70,11 @@ def sweeps(tmp_path_factory):
         # is waiting on Slurm's status checks, and they wait side by side.
         with ThreadPoolExecutor(2) as pool:
             cells = pool.submit(snakemake, work, *profile, config=CONFIG)
-            packed = pool.submit(snakemake, grouped, *profile, *GROUPS, config=GROUPED_CONFIG)
+            # the documented switch for sites that forbid whole-node jobs
+            shared = ["--config", "exclusive_nodes=False"]
+            packed = pool.submit(
+                snakemake, grouped, *profile, *GROUPS, *shared, config=GROUPED_CONFIG
+            )
             procs = {"cells": cells.result(), "grouped": packed.result()}
         log = "\n".join(p.read_text()[-2000:] for p in cluster["logs"] if p.exists())
         # Slurm's own record of the jobs (kept MinJobAge after they end).
@@ -111,6 +115,9 @@ def test_every_cell_ran_as_its_own_slurm_job(sweep):
         # a readable comment (the plugin's): the cell, as squeue and sacct show it
         cell = f"rule_benchmark_wildcards_tiny_fp32-sgd_{c['strategy']}_{c['devices']}_0"
         assert job.get("Comment") == cell, job
+        # a timed cell had its node to itself (sbatch --exclusive), and it recorded so
+        assert job["OverSubscribe"] == "NO", job
+        assert c["slurm_oversubscribe"] == "NO", c.to_dict()
     logs = work / "logs/slurm"
     assert len(list((logs / "rule_benchmark").rglob("*.log"))) == 3, "the plugin's job logs"
     # the collectives benchmark (ddp at 2 ranks needs curves at n=2) is a job of its own
@@ -148,6 +155,9 @@ def test_grouped_cells_share_one_allocation_in_series(sweeps):
     # ... so the allocation lasts the sum of their runtimes (10 min each)
     assert job["TimeLimit"] == "00:20:00", job
     assert job["Comment"] == "rule_tiny_fp32-sgd_n1_benchmark", job  # readable in squeue
+    # exclusive_nodes=False: the node could be shared, and the cells recorded so
+    assert job["OverSubscribe"] != "NO", job
+    assert (cells["slurm_oversubscribe"] == job["OverSubscribe"]).all(), cells
     starts, ends = [], []
     for d in cells["dir"]:  # (Snakemake touches a group's outputs: mtimes tell nothing)
         meta = json.loads((work / d / "meta.json").read_text())

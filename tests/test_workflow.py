@@ -144,3 +144,15 @@ def test_growing_the_config_plans_only_the_new_cells(run):
     # 5 strategies gain n=4 (repeats 0 and 1), and every old cell gains repeat 1.
     assert len(new) == 5 * 2 + 11
     assert not any("/r0/" in p and "/n4/" not in p for p in new), new
+
+
+def test_cores_2_times_one_cell_at_a_time(run):
+    """--cores 2 on two cores would start two cells at once; the default profile gives
+    one `timed_cells`, so no two timed windows (cells, the collectives benchmark) meet."""
+    cells = pd.read_csv(run / "results/cells.csv")
+    ran = cells[cells["status"] == "ok"].sort_values("timed_from")
+    assert len(ran) > 5
+    starts, ends = ran["timed_from"].to_numpy(), ran["timed_to"].to_numpy()
+    assert (starts[1:] >= ends[:-1]).all(), "two cells were timed at the same time"
+    summary = pd.read_csv(run / "results/summary.csv")
+    assert not summary["overlapped"].any()

@@ -61,6 +61,8 @@ def _env_columns(meta: dict) -> dict:
         "start_time": env.get("start_time", ""),
         "slurm_job_id": slurm.get("SLURM_JOB_ID", ""),
         "gpus_given": slurm.get("SLURM_GPUS_ON_NODE", ""),
+        # NO: the job had its nodes to itself (exclusive_nodes); else others could share
+        "slurm_oversubscribe": env.get("slurm_oversubscribe") or "",
         "cuda_visible_devices": env.get("cuda_visible_devices") or "",
         "launch_command": " ".join(env.get("launch_command", [])),
     }
@@ -128,10 +130,15 @@ def _cell_row(meta_path: Path, meta: dict) -> tuple[dict, pd.DataFrame | None]:
             **_env_columns(meta),
             "config_hash": meta.get("config_hash", ""),
             "dir": str(meta_path.parent),
+            # in memory only (lists): the hosts it ran on and when it was timed
+            "hosts": meta.get("hosts") or [meta.get("env", {}).get("host", "")],
+            "timed_window": meta.get("timed_window"),
+            "timed_from": (meta.get("timed_window") or [np.nan])[0],
+            "timed_to": (meta.get("timed_window") or [np.nan, np.nan])[1],
             "model_spec": spec.model,  # in memory only: dropped before cells.csv
         }
     )
-    if meta["status"] != "ok":
+    if meta["status"] not in records.RAN:
         return row, None
     steps_path = meta_path.parent / "steps.csv"
     try:
@@ -227,12 +234,24 @@ def _param_diffs(cells: pd.DataFrame) -> pd.DataFrame:
     return out
 
 
+def _status(g: pd.DataFrame) -> str:
+    """A row's status over its repeats: diverged if any repeat did (a warning that
+    outranks the rest), ok if any ran, else failed or skipped."""
+    for status in ("diverged", "ok", "failed"):
+        if (g["status"] == status).any():
+            return status
+    return "skipped"
+
+
 def _one(g: pd.DataFrame) -> pd.Series:
-    """Summary of one (model, variant, strategy, devices) over its repeats."""
+    """Summary of one (model, variant, strategy, devices) over its repeats. Timings
+    come from every repeat that ran (a diverged one's too, shown but never ranked);
+    equivalence only from those that stayed finite."""
     ok = g[g["status"] == "ok"]
+    ran = g[g["status"].isin(records.RAN)]
     not_ok = g[g["status"] != "ok"]
-    status = "ok" if len(ok) else ("failed" if (g["status"] == "failed").any() else "skipped")
-    med = ok["step_time_median_s"]
+    status = _status(g)
+    med = ran["step_time_median_s"]
     verdicts = ok["equivalent"].dropna()
     return pd.Series(
         {
@@ -240,6 +259,9 @@ def _one(g: pd.DataFrame) -> pd.Series:
             "status": status,
             "reason": not_ok["reason"].iloc[0] if len(not_ok) else "",
             "repeats_ok": len(ok),
+            "overlapped_with": "; ".join(
+                dict.fromkeys(w for w in g["overlapped_with"] if isinstance(w, str) and w)
+            ),
             "repeats_total": len(g),
             "global_batch": g["global_batch"].iloc[0],
             "step_time_s": med.median(),
@@ -290,14 +312,15 @@ def summarize(
             summary[col] = np.nan
     summary["throughput"] = summary["global_batch"] / summary["step_time_s"]
     summary["tokens_per_s"] = summary["throughput"] * summary["tokens_per_sample"]
-    summary["speedup"] = stats.speedup(summary, summary)
+    # Speedup only between cells whose loss stayed finite (stats.reference_rows too).
+    summary["speedup"] = stats.speedup(summary, summary).where(summary["status"] == "ok")
     summary["efficiency"] = summary["speedup"] / summary["devices"]
     summary = summary.join(stats.speedup_intervals(summary, steps))
     summary["achieved_flops_per_s"] = summary["flops_per_step"] / summary["step_time_s"]
     summary["mfu"] = summary["achieved_flops_per_s"] / summary["peak_flops_total"]
     summary = summary.join(scaling.predict(summary, curves, list(VARIANT_KEYS)))
     # Only for models that ran: one that failed may be one nobody can build (too large).
-    ran = summary[summary["status"] == "ok"]
+    ran = summary[summary["status"].isin(records.RAN)]
     memory = [
         scaling.memory_model(
             r,
@@ -313,6 +336,7 @@ def summarize(
         "model_activations_bytes",
     ]
     summary = summary.join(pd.DataFrame(memory, index=ran.index, columns=memory_cols))
+    summary["overlapped"] = summary["overlapped_with"].fillna("").astype(str) != ""
     summary["ideal_speedup"] = [ideal_speedup(r, summary) for _, r in summary.iterrows()]
     return summary[list(SUMMARY_COLUMNS)]
 
@@ -331,7 +355,9 @@ def ideal_speedup(row: pd.Series, summary: pd.DataFrame) -> float:
     return float(min(n, max(1.0, cores / threads)))
 
 
-def load_cells(meta_paths: list[Path]) -> tuple[pd.DataFrame, pd.DataFrame]:
+def load_cells(
+    meta_paths: list[Path], collective_windows: list[dict] | None = None
+) -> tuple[pd.DataFrame, pd.DataFrame]:
     rows, frames = [], []
     for p in meta_paths:
         row, steps = _cell_row(Path(p), records.read_meta(Path(p)))
@@ -347,7 +373,35 @@ def load_cells(meta_paths: list[Path]) -> tuple[pd.DataFrame, pd.DataFrame]:
         if frames
         else pd.DataFrame(columns=list(records.STEP_COLUMNS))
     )
+    cells["overlapped_with"] = overlaps(cells, collective_windows or [])
     return cells.join(_param_diffs(cells)), steps
+
+
+def overlaps(cells: pd.DataFrame, others: list[dict]) -> pd.Series:
+    """For each cell, the other timed jobs (cells, collectives benchmarks) whose timed
+    window overlapped its own on a host they shared: their times are not comparable,
+    each slowed the other. `others`: {label, hosts, window} of the jobs that are not
+    cells. Empty where none overlapped."""
+    jobs = [
+        {"label": c["dir"], "hosts": set(c["hosts"]), "window": c["timed_window"]}
+        for _, c in cells.iterrows()
+        if isinstance(c.get("timed_window"), list)
+    ] + [{**o, "hosts": set(o["hosts"])} for o in others if o.get("window")]
+    out = pd.Series("", index=cells.index, dtype=object)
+    for i, c in cells.iterrows():
+        window = c.get("timed_window")
+        if not isinstance(window, list):
+            continue
+        hit = [
+            j["label"]
+            for j in jobs
+            if j["label"] != c["dir"]
+            and j["hosts"] & set(c["hosts"])
+            and j["window"][0] < window[1]
+            and window[0] < j["window"][1]
+        ]
+        out[i] = "; ".join(hit)
+    return out
 
 
 def aggregate(
@@ -358,13 +412,13 @@ def aggregate(
     collective_metas: list[Path] = (),
     collectives_out: Path | None = None,
 ) -> None:
-    cells, steps = load_cells(meta_paths)
-    rows, _failed = collectives.load(list(collective_metas))
+    rows, _failed, windows = collectives.load(list(collective_metas))
+    cells, steps = load_cells(meta_paths, windows)
     curves = pd.DataFrame(rows, columns=list(collectives.COLUMNS))
     for col in ("devices", "bytes", "time_s", "algbw_GBps", "busbw_GBps", "iters"):
         curves[col] = pd.to_numeric(curves[col])
     summary = summarize(cells, steps, curves)
-    cells = cells.drop(columns="model_spec")
+    cells = cells.drop(columns=["model_spec", "hosts", "timed_window"])
     outputs = [(steps, steps_out), (cells, cells_out), (summary, summary_out)]
     if collectives_out is not None:
         outputs.append((curves, collectives_out))

@@ -8,6 +8,7 @@ rank 0, atomically, meta.json last.
 from __future__ import annotations
 
 import io
+import math
 import os
 import time
 import traceback
@@ -123,6 +124,34 @@ def name_the_model(e: Exception, spec: RunSpec) -> Exception:
         return ModelMemoryError(f"{type(e).__name__}: {e} ({where})")
 
 
+def step_losses(rows: list[dict], per_rank: list[dict]) -> dict[int, float]:
+    """The global loss of every step of the plan: the timed ones' (rows) and the
+    profiled ones' (each rank's contribution, summed)."""
+    losses = {r["step"]: r["loss"] for r in rows}
+    for step in per_rank[0]["untimed_losses"]:
+        losses[step] = sum(r["untimed_losses"][step] for r in per_rank)
+    return dict(sorted(losses.items()))
+
+
+def divergence(losses: dict[int, float], spec: RunSpec) -> str | None:
+    """Why the run is not a result, if its loss became NaN or inf: at which step, and
+    the usual suspects (a learning rate too large; bf16's range). None if it stayed
+    finite."""
+    bad = next(((s, v) for s, v in losses.items() if not math.isfinite(v)), None)
+    if bad is None:
+        return None
+    why = f"the learning rate ({spec.lr:g} with {spec.optimizer}) may be too large for this model"
+    if spec.precision == "bf16":
+        why += ", or bf16's range too small for its activations"
+    return f"diverged: the loss became {bad[1]} at step {bad[0]}; {why}"
+
+
+def timed_window(windows: list) -> list[float] | None:
+    """The span of the ranks' timed windows."""
+    spans = [w for w in windows if w]
+    return [min(w[0] for w in spans), max(w[1] for w in spans)] if spans else None
+
+
 def batch_source(model: Model, spec: RunSpec, strategy: Strategy):
     """This process's batches: synthetic (default) or through a DataLoader."""
     args = (model, spec.global_batch, spec.seed, strategy.shard, strategy.data_device)
@@ -180,6 +209,8 @@ def _run(spec: RunSpec, ctx: runtime.Context, out: Path, common: dict, t_start: 
         {
             "times": measured.times,
             "losses": measured.losses,
+            "window": measured.window,
+            "untimed_losses": measured.untimed_losses,
             "host": common["env"]["host"],
             "peak_memory": profiling.peak_memory(physical, held, profiled),
             "peak_flops": peak_device * len(physical),
@@ -210,10 +241,11 @@ def _run(spec: RunSpec, ctx: runtime.Context, out: Path, common: dict, t_start: 
         )
     buf = io.BytesIO()
     torch.save(state, buf)
-    records.write_ok(
+    records.write_ran(
         out,
         rows,
         buf.getvalue(),
+        diverged=divergence(step_losses(rows, per_rank), spec),
         **{
             **spec.record_fields(),
             **common,
@@ -230,6 +262,8 @@ def _run(spec: RunSpec, ctx: runtime.Context, out: Path, common: dict, t_start: 
             "comm_per_rank": [r["comm"] for r in per_rank],
             **reference,
             "hosts": sorted({r["host"] for r in per_rank}),
+            # when the cell was timed, every rank's window together (Unix seconds)
+            "timed_window": timed_window([r["window"] for r in per_rank]),
             "setup_s": setup_s,
             "wall_s": time.perf_counter() - t_start,
             "params_file": "params.pt",

@@ -15,6 +15,7 @@ really sends.
 
 from __future__ import annotations
 
+import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -155,13 +156,17 @@ def run(devices: int, sizes: list[int], device: str, timeout_s: float, out: Path
             timeout=timedelta(seconds=timeout_s),
             device_id=dev if kind == "cuda" else None,
         )
+        started = time.time()
         rows = curves(sizes, dev)
+        window = [started, time.time()]
+        hosts: list = [None] * world
+        dist.all_gather_object(hosts, socket.gethostname())
         if rank == 0:
             write_csv(out / "collectives.csv", rows)
-            records.write_meta(
-                out / "meta.json",
-                {"status": "ok", "reason": None, **fields, "env": envinfo.describe(kind)},
-            )
+            meta = {"status": "ok", "reason": None, **fields, "env": envinfo.describe(kind)}
+            # when it was timed, and where: a cell timed beside it is flagged
+            meta.update(timed_window=window, hosts=sorted(set(hosts)))
+            records.write_meta(out / "meta.json", meta)
         dist.barrier()
         return 0
     except Exception as e:
@@ -178,13 +183,14 @@ def run(devices: int, sizes: list[int], device: str, timeout_s: float, out: Path
             dist.destroy_process_group()
 
 
-def load(paths: list[Path]) -> tuple[list[dict], list[dict]]:
-    """Rows of every benchmark that ran, and (devices, status, reason) of those that did
-    not: read loosely, so a failed benchmark never stops the aggregate."""
+def load(paths: list[Path]) -> tuple[list[dict], list[dict], list[dict]]:
+    """Rows of every benchmark that ran, (devices, status, reason) of those that did
+    not, and when and where each ran ({label, hosts, window}): read loosely, so a
+    failed benchmark never stops the aggregate."""
     import csv
     import json
 
-    rows, failed = [], []
+    rows, failed, windows = [], [], []
     for meta_path in paths:
         meta_path = Path(meta_path)
         try:
@@ -199,4 +205,7 @@ def load(paths: list[Path]) -> tuple[list[dict], list[dict]]:
             continue
         with open(meta_path.parent / "collectives.csv") as f:
             rows += list(csv.DictReader(f))
-    return rows, failed
+        if meta.get("timed_window"):
+            label = f"collectives at {meta.get('devices')} ranks"
+            windows.append({"label": label, "hosts": meta["hosts"], "window": meta["timed_window"]})
+    return rows, failed, windows

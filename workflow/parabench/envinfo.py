@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import platform
+import re
 import socket
 import subprocess
 import sys
@@ -71,6 +72,23 @@ def launch_command() -> list[str]:
     return list(getattr(sys, "orig_argv", sys.argv))
 
 
+def slurm_sharing() -> str | None:
+    """Whether Slurm let other jobs onto this job's nodes: `OverSubscribe` of `scontrol
+    show job` (NO: the nodes are the job's alone, sbatch --exclusive; OK, YES, USER,
+    MCS: others may run beside it). None outside a Slurm job or without scontrol."""
+    job = os.environ.get("SLURM_JOB_ID")
+    if not job:
+        return None
+    try:
+        out = subprocess.run(
+            ["scontrol", "show", "job", job], capture_output=True, text=True, timeout=10
+        ).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    found = re.search(r"OverSubscribe=(\S+)", out)
+    return found[1] if found else None
+
+
 def usable_cores() -> int:
     """Cores this process may run on: the Slurm/cgroup allocation, not the machine."""
     try:
@@ -109,6 +127,7 @@ def base() -> dict:
         "usable_cores": usable_cores(),
         "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
         "slurm": {k: os.environ[k] for k in SLURM_VARS if k in os.environ},
+        "slurm_oversubscribe": slurm_sharing(),
         "git_commit": git_commit(),
         "launch_command": launch_command(),
         "start_time": datetime.now(timezone.utc).isoformat(timespec="seconds"),

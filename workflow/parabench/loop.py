@@ -67,8 +67,9 @@ def plan(steps: int, warmup: int, profile_steps: int) -> list[str]:
 
 
 class Profiler(Protocol):
-    def run(self, step: int, last: bool) -> None:
-        """Run a PROFILED step; `last`: the last of its session (the next step is not)."""
+    def run(self, step: int, last: bool) -> torch.Tensor:
+        """Run a PROFILED step; `last`: the last of its session (the next step is not).
+        Returns its loss."""
 
 
 @dataclass
@@ -80,6 +81,12 @@ class Measured:
     steps: list[int] = field(default_factory=list)  # each one's index in the plan
     phases: list[str] = field(default_factory=list)  # WARMUP or TIMED
     cpu_s: list[float] = field(default_factory=list)  # the main thread's CPU time
+    # Wall-clock (Unix) start of the first timed step and end of the last: the window
+    # in which nothing else may run on this host (aggregate flags overlaps).
+    window: tuple[float, float] | None = None
+    # The loss of every step that was not timed (profiled), by its index in the plan:
+    # with the timed ones', every step's loss (a divergence is dated to the step).
+    untimed_losses: dict[int, float] = field(default_factory=dict)
 
     @property
     def timed_cpu_s(self) -> list[float]:
@@ -99,12 +106,13 @@ def measure(
     fault_step = fault.step if fault else -1
     out = Measured([], [])
     losses: list[torch.Tensor] = []
+    untimed: dict[int, torch.Tensor] = {}
     timed_fetch = batches.timed_fetch
     for step, kind in enumerate(kinds):
         if step == fault_step:  # test-only; before the timer, so it costs the step nothing
             fault.fire()
         if kind == PROFILED:
-            profiler.run(step, last=kinds[step + 1 : step + 2] != [PROFILED])
+            untimed[step] = profiler.run(step, last=kinds[step + 1 : step + 2] != [PROFILED])
             continue
         if not timed_fetch:
             x, y = batches.batch(step)
@@ -117,11 +125,16 @@ def measure(
         sync()
         out.times.append(time.perf_counter() - t0)
         out.cpu_s.append(time.thread_time() - c0)
+        if kind == TIMED:
+            now = time.time()
+            start = now - out.times[-1]
+            out.window = (out.window[0] if out.window else start, now)
         losses.append(loss)
         out.steps.append(step)
         out.phases.append(kind)
     # One host transfer after the loop instead of one per step.
     out.losses = torch.stack(losses).double().cpu().tolist()
+    out.untimed_losses = {s: float(v) for s, v in untimed.items()}
     return out
 
 

@@ -47,9 +47,9 @@ class Profiled:
     cpu_s: list[float]  # the main thread's CPU time in each recorded step
 
 
-def _run(strategy: Strategy, batches, step: int, sync, timed_fetch: bool) -> float:
+def _run(strategy: Strategy, batches, step: int, sync, timed_fetch: bool):
     """One step as the measurement loop runs it, marked for the anatomy; returns the
-    main thread's CPU time in it."""
+    main thread's CPU time in it and the step's loss."""
     if not timed_fetch:  # synthetic batches are made outside the step, as when timed
         x, y = batches.batch(step)
     sync()
@@ -58,9 +58,9 @@ def _run(strategy: Strategy, batches, step: int, sync, timed_fetch: bool) -> flo
         if timed_fetch:  # DataLoader mode: the fetch is part of the step, as when timed
             with record_function(DATA_MARK):
                 x, y = batches.batch(step)
-        strategy.step(x, y)
+        loss = strategy.step(x, y)
         sync()
-    return time.thread_time() - c0
+    return time.thread_time() - c0, loss
 
 
 class StepProfiler:
@@ -80,16 +80,18 @@ class StepProfiler:
         self.live: profile | None = None  # the session whose steps are running
         self.cpu_s: list[float] = []
 
-    def run(self, step: int, last: bool) -> None:
+    def run(self, step: int, last: bool):
         if self.live is None:
             self.sync()
             self.live = profile(activities=self.activities)
             self.live.start()
             self.sessions.append(self.live)
-        self.cpu_s.append(_run(self.strategy, self.batches, step, self.sync, self.timed_fetch))
+        cpu, loss = _run(self.strategy, self.batches, step, self.sync, self.timed_fetch)
+        self.cpu_s.append(cpu)
         if last:
             self.live.stop()
             self.live = None
+        return loss
 
     def finish(self, next_step: int, out: Path) -> Profiled:
         """Keep this rank's trace (every session's events in one file), then profile

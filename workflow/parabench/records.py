@@ -17,7 +17,10 @@ import time
 from pathlib import Path
 
 SCHEMA_VERSION = 2
-STATUSES = ("ok", "skipped", "failed")
+STATUSES = ("ok", "skipped", "failed", "diverged")
+# Statuses whose cells ran their steps (steps.csv holds them): a diverged cell's loss
+# became NaN or inf, so its times are kept but never ranked, its parameters never compared.
+RAN = ("ok", "diverged")
 
 # A cell's directory under the results directory: its key, the axes as one variant
 # label (fp32-sgd, bf16-adamw-compile). The workflow's wildcards read the same pattern.
@@ -46,7 +49,7 @@ STEP_COLUMNS: dict[str, str] = {
     "phase": "'warmup' (excluded from statistics) or 'timed'",
     "step_time_s": "wall time of the step, synchronized; max over ranks",
     "step_time_min_s": "fastest rank's time for the same step (rank skew = max - min)",
-    "loss": "global loss of the step (sum of the ranks' contributions)",
+    "loss": "global loss of the step (sum of the ranks' contributions); nan or inf: diverged",
     "samples": "samples in the global batch of the step",
 }
 
@@ -101,11 +104,15 @@ def write_meta(path: Path, meta: dict) -> None:
     )
 
 
-def write_ok(out: Path, rows: list[dict], params: bytes, **fields) -> None:
-    """A cell that ran: parameters, then steps, then meta.json, the commit marker."""
+def write_ran(
+    out: Path, rows: list[dict], params: bytes, diverged: str | None = None, **fields
+) -> None:
+    """A cell that ran: parameters, then steps, then meta.json, the commit marker.
+    `diverged`: why its loss stopped being a number (status diverged), else ok."""
     atomic_write_bytes(out / "params.pt", params)
     write_steps(out / "steps.csv", rows)
-    write_meta(out / "meta.json", {"status": "ok", "reason": None, **fields})
+    status = "diverged" if diverged else "ok"
+    write_meta(out / "meta.json", {"status": status, "reason": diverged, **fields})
 
 
 def write_outcome(out: Path, status: str, reason: str, **fields) -> None:
@@ -201,10 +208,13 @@ SUMMARY_COLUMNS: dict[str, str] = {
     "strategy": "strategy",
     "devices": "devices",
     "scaling": "strong (global batch fixed) or weak (per-device batch fixed)",
-    "status": "ok if any repeat ran, else skipped or failed",
+    "status": "diverged if any repeat's loss became NaN or inf; else ok if any repeat ran, "
+    "else skipped or failed",
     "reason": "why repeats were skipped or failed (first one), empty when all ran",
     "repeats_ok": "repeats that ran",
     "repeats_total": "repeats configured",
+    "overlapped": "True when a repeat's timed steps overlapped another timed job on its host",
+    "overlapped_with": "those other jobs (cells' directories, collectives benchmarks)",
     "global_batch": "samples per optimizer step",
     "step_time_s": "median over repeats of each repeat's median timed step (headline)",
     "step_time_min_s": "fastest repeat's median step",

@@ -110,8 +110,10 @@ def step_statistics(steps: pd.DataFrame, keys: list[str]) -> pd.DataFrame:
 
 
 def reference_rows(summary: pd.DataFrame) -> pd.DataFrame:
-    """The rows speedups are measured against: the reference strategy at one device."""
-    return summary[(summary["strategy"] == REFERENCE) & (summary["devices"] == 1)]
+    """The rows speedups are measured against: the reference strategy at one device,
+    where it ran with a finite loss (a diverged run's times are not a baseline)."""
+    ran = summary["status"] == "ok" if "status" in summary else True
+    return summary[(summary["strategy"] == REFERENCE) & (summary["devices"] == 1) & ran]
 
 
 def speedup(rows: pd.DataFrame, summary: pd.DataFrame) -> pd.Series:
@@ -138,10 +140,12 @@ def speedup_intervals(summary: pd.DataFrame, steps: pd.DataFrame) -> pd.DataFram
     base_batch = reference_rows(summary).set_index(variant_keys)["global_batch"]
     for i, row in summary.iterrows():
         key = tuple(row[k] for k in keys)
-        base_key = (*(row[k] for k in variant_keys), REFERENCE, 1)
-        if key not in boot or base_key not in boot:
+        variant = tuple(row[k] for k in variant_keys)
+        base_key = (*variant, REFERENCE, 1)
+        ranked = row.get("status", "ok") == "ok" and variant in base_batch.index
+        if not ranked or key not in boot or base_key not in boot:
             continue
-        batch_ratio = row["global_batch"] / base_batch.loc[tuple(row[k] for k in variant_keys)]
+        batch_ratio = row["global_batch"] / base_batch.loc[variant]
         lo, hi = interval(boot[base_key] / boot[key] * batch_ratio)
         out.loc[i] = [lo, hi, lo / row["devices"], hi / row["devices"]]
     return out

@@ -21,8 +21,9 @@ rule benchmark:
     resources:
         gpu=gpus,
         runtime=lambda wc: int(config["cell_timeout_s"] // 60) + 5,
-        # One timed cell at a time per allocation (see resource_scopes in the Snakefile).
+        # One timed job at a time (see resource_scopes in the Snakefile).
         timed_cells=1,
+        slurm_extra=slurm_extra,
     params:
         launch=launch,
     shell:
@@ -44,6 +45,9 @@ rule collectives:
     resources:
         gpu=lambda wc: 0 if config["device"] == "cpu" else int(wc.devices),
         runtime=lambda wc: int(config["cell_timeout_s"] // 60) + 5,
+        # timed like a cell: never beside one (see resource_scopes in the Snakefile)
+        timed_cells=1,
+        slurm_extra=slurm_extra,
     params:
         launch=collectives_launch,
     shell:
@@ -72,8 +76,9 @@ rule benchmark_multinode:
         mpi="srun",
         nodes=nodes,
         tasks=nodes,
-        slurm_extra=lambda wc: f"--gpus-per-node={int(wc.devices) // nodes(wc)}",
+        slurm_extra=lambda wc: f"--gpus-per-node={int(wc.devices) // nodes(wc)} {slurm_extra(wc)}",
         runtime=lambda wc: int(config["cell_timeout_s"] // 60) + 5,
+        timed_cells=1,
     params:
         launch=launch,
     shell:

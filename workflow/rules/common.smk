@@ -60,6 +60,12 @@ def launch(wc, output):
     return shlex.join(launch_command(_spec(wc), out, config["cell_timeout_s"]))
 
 
+def slurm_extra(wc):
+    """sbatch's extra flags of a timed job: whole nodes unless exclusive_nodes is off
+    (ignored by local runs)."""
+    return "--exclusive" if config["exclusive_nodes"] else ""
+
+
 def gpus(wc):
     """GPUs to ask the scheduler for: none for CPU runs and for cells recorded as
     skipped without running (a job asking for 16 GPUs on 8-GPU nodes would never start)."""

@@ -59,6 +59,7 @@ def build_context(r: Results, config: dict) -> dict:
         "labels": LABELS,
         "strategies": [x for x in STRATEGIES if x in per_strategy],
         "equivalence": rows(diffs),
+        "not_comparable": rows(s[s["status"] == "diverged"]),
         "tolerance_factor": equivalence.TOLERANCE_FACTOR,
         "tolerance_floor": equivalence.FLOOR,
         "narratives": {name: CATALOG[name].narrative for name in per_strategy},

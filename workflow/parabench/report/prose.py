@@ -188,6 +188,7 @@ def outcome(summary: pd.DataFrame, cells: pd.DataFrame) -> dict:
                 f"{panel}: only one-device cells ran; every multi-device cell failed or "
                 f"was skipped: {_causes(multi)}."
             )
+    lines += _diverged(summary) + _overlapped(summary)
     if len(failed) or len(skipped):
         lines.append(
             f"{n_ok} of {len(cells)} cells ran; {len(failed)} failed and {len(skipped)} "
@@ -258,3 +259,35 @@ def why(row, curves: pd.DataFrame) -> str:
             f"{row['step_time_s'] * 1e3:.1f} ms measured; it misses {row['prediction_miss']}."
         )
     return text
+
+
+def _cells_named(rows: pd.DataFrame) -> str:
+    return ", ".join(
+        f"{r['panel']}: {LABELS.get(r['strategy'], r['strategy'])} ×{r['devices']}"
+        for _, r in rows.iterrows()
+    )
+
+
+def _diverged(summary: pd.DataFrame) -> list[str]:
+    """Cells whose loss became NaN or inf: named, with the first one's reason."""
+    rows = summary[summary["status"] == "diverged"]
+    if rows.empty:
+        return []
+    return [
+        f"Diverged: {_count(len(rows), 'cell')} ({_cells_named(rows)}): "
+        f"{_cause(rows.iloc[0]['reason'])}. Their step times are shown but not ranked, and "
+        "their parameters are not comparable with single's."
+    ]
+
+
+def _overlapped(summary: pd.DataFrame) -> list[str]:
+    """Cells timed while another timed job ran on the same host: contaminated."""
+    rows = summary[summary["overlapped"].fillna(False).astype(bool)]
+    if rows.empty:
+        return []
+    return [
+        f"Timed side by side: {_count(len(rows), 'cell')} ({_cells_named(rows)}) ran its "
+        "timed steps while another timed job ran on the same host, so each slowed the "
+        f"other and their times do not compare (first: with {rows.iloc[0]['overlapped_with']}). "
+        "Run them one at a time (the default `timed_cells: 1`) before reading them."
+    ]
