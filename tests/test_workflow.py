@@ -81,7 +81,8 @@ ANATOMY = [
     "bubble_s",
     "data_s",
     "other_s",
-    "predicted_step_s",
+    "step_nocomm_s",
+    "profiler_overhead",
     "comm_bytes_per_step",
     "collectives_per_step",
 ]
@@ -91,6 +92,10 @@ def test_every_ok_cell_has_its_anatomy_and_a_prediction(run):
     summary = pd.read_csv(run / "results/summary.csv")
     ok = summary[summary["status"] == "ok"]
     assert ok[ANATOMY].notna().all().all(), ok[ANATOMY]
+    # the scaling model predicts the multi-device cells, out of sample
+    multi = ok["devices"] > 1
+    assert ok.loc[multi, "predicted_step_s"].notna().all()
+    assert ok.loc[~multi, "predicted_step_s"].isna().all()
     by = ok.set_index(["strategy", "devices"])
     assert by.loc[("single", 1), "comm_s"] == 0
     # no_sync: one all-reduce of the gradients per optimizer step, as DDP

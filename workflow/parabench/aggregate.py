@@ -25,9 +25,10 @@ import numpy as np
 import pandas as pd
 import torch
 
-from parabench import anatomy, collectives, equivalence, records, scaling, stats
+from parabench import anatomy, collectives, crosscheck, equivalence, records, scaling, stats
 from parabench.catalog import REFERENCE, record
 from parabench.flops import activation_bytes_per_sample, step_flops
+from parabench.loop import plan, sessions
 from parabench.models import build
 from parabench.models.base import maths_notes
 from parabench.records import CELL_KEYS, SUMMARY_COLUMNS, SUMMARY_KEYS, VARIANT_KEYS
@@ -36,6 +37,11 @@ from parabench.spec import ModelSpec, RunSpec
 # Filled from the ok cells only; NaN where none ran.
 _OK_COLUMNS = (
     "anatomy_closure",
+    "profiler_overhead",
+    "profiled_step_time_s",
+    "step_nocomm_s",
+    "step_paired_s",
+    "nocomm_run",
     "tokens_per_sample",
     "step_time_median_s",
     "step_time_p90_s",
@@ -68,7 +74,10 @@ def _env_columns(meta: dict) -> dict:
     }
 
 
-ANATOMY = ("compute_s", "comm_s", "comm_exposed_s", "bubble_s", "data_s", "other_s", "profiler_s")
+ANATOMY = ("compute_s", "comm_s", "comm_exposed_s", "bubble_s", "data_s", "other_s")
+# Per cell, medians over steps: the profiled steps timed like the others, and the
+# no-communication steps.
+STEP_CHECKS = ("profiled_step_time_s", "step_nocomm_s", "step_paired_s")
 
 
 def _anatomy_columns(meta: dict) -> dict:
@@ -78,8 +87,7 @@ def _anatomy_columns(meta: dict) -> dict:
     out: dict = {k: np.nan for k in (*ANATOMY, "profiled_step_s")}
     if per_rank:
         crit = anatomy.critical(per_rank)
-        # (records from before the profiler's cost was measured have none: 0)
-        out.update({k: crit.get(k, 0.0) for k in ANATOMY}, profiled_step_s=crit["step_s"])
+        out.update({k: crit[k] for k in ANATOMY}, profiled_step_s=crit["step_s"])
     comm = meta.get("comm_per_rank") or []
     loads = [
         (sum(v["bytes"] for v in c.values()), sum(v["count"] for v in c.values()), c) for c in comm
@@ -124,6 +132,9 @@ def _cell_row(meta_path: Path, meta: dict) -> tuple[dict, pd.DataFrame | None]:
             "processes": meta.get("world_size") or 1,
             "threads_per_rank": meta.get("threads_per_rank", np.nan),
             "usable_cores": meta.get("env", {}).get("usable_cores", np.nan),
+            "ranks_per_core": meta.get("ranks_per_core", np.nan),
+            # the reference's step on one rank's share at n devices (scaling model)
+            "rank_steps": json.dumps(meta["rank_steps"]) if meta.get("rank_steps") else "",
             "options": json.dumps(dict(spec.to_dict()["options"]), sort_keys=True),
             **_anatomy_columns(meta),
             "reorder_rel_diff": meta.get("reorder_rel_diff", np.nan),
@@ -160,8 +171,41 @@ def _cell_row(meta_path: Path, meta: dict) -> tuple[dict, pd.DataFrame | None]:
         timed_steps=len(timed),
         final_loss=steps["loss"].iloc[-1],
     )
-    row["anatomy_closure"] = row["profiled_step_s"] / row["step_time_median_s"]
+    profiled = meta.get("profiled_step_times") or []
+    row["profiled_step_time_s"] = float(np.median(profiled)) if profiled else np.nan
+    row.update(_against_neighbours(spec, steps, profiled, meta.get("anatomy_per_rank") or []))
+    nocomm, paired = meta.get("nocomm_step_times"), meta.get("paired_step_times")
+    # No process group, no communication to switch off: the step is its own check.
+    row["step_nocomm_s"] = float(np.median(nocomm)) if nocomm else row["step_time_median_s"]
+    row["step_paired_s"] = float(np.median(paired)) if paired else row["step_time_median_s"]
+    row["nocomm_run"] = bool(nocomm)
     return row, steps
+
+
+def _against_neighbours(
+    spec: RunSpec, steps: pd.DataFrame, profiled: list[float], anatomies: list
+) -> dict:
+    """Each profiler session against the timed run just before it (loop.sessions),
+    not against the whole cell: a shared machine drifts more over a cell than between
+    neighbours. profiler_overhead: the median over sessions of the session's profiled
+    step over the run's timed one (medians); anatomy_closure: the median over profiled
+    steps of the critical rank's parts' sum over its run's timed step."""
+    by_step = steps.set_index("step")["step_time_s"]
+    critical = anatomy.critical_steps(anatomies)
+    ratios, closures, k = [], [], 0
+    for run, session in sessions(plan(spec.steps, spec.warmup, spec.profile_steps)):
+        timed = by_step.reindex(run).dropna()
+        mine, parts = profiled[k : k + len(session)], critical[k : k + len(session)]
+        k += len(session)
+        if timed.empty or not mine:
+            continue
+        base = float(timed.median())
+        ratios.append(float(np.median(mine)) / base)
+        closures += [p["step_s"] / base for p in parts]
+    return {
+        "profiler_overhead": float(np.median(ratios)) if ratios else np.nan,
+        "anatomy_closure": float(np.median(closures)) if closures else np.nan,
+    }
 
 
 @functools.cache
@@ -282,7 +326,17 @@ def _one(g: pd.DataFrame) -> pd.Series:
             ),
             "tokens_per_sample": ok["tokens_per_sample"].median(),
             "emulated": bool(ok["emulated"].any()),
-            **{k: ok[k].median() for k in (*ANATOMY, "profiled_step_s", "anatomy_closure")},
+            **{
+                k: ok[k].median()
+                for k in (
+                    *ANATOMY,
+                    "profiled_step_s",
+                    "anatomy_closure",
+                    "profiler_overhead",
+                    *STEP_CHECKS,
+                )
+            },
+            "nocomm_run": bool(ok["nocomm_run"].any()),
             "comm_bytes_per_step": ok["comm_bytes_per_step"].median(),
             "collectives_per_step": ok["collectives_per_step"].median(),
             "comm_by_op": ok["comm_by_op"].iloc[0] if len(ok) else "",
@@ -290,6 +344,8 @@ def _one(g: pd.DataFrame) -> pd.Series:
             "processes": g["processes"].iloc[0],
             "threads_per_rank": ok["threads_per_rank"].median(),
             "usable_cores": ok["usable_cores"].median(),
+            "ranks_per_core": ok["ranks_per_core"].median(),
+            "rank_steps": ok["rank_steps"].iloc[0] if len(ok) else "",
             "options": g["options"].iloc[0],
             "model_spec": g["model_spec"].iloc[0],
         }
@@ -318,6 +374,8 @@ def summarize(
     summary = summary.join(stats.speedup_intervals(summary, steps))
     summary["achieved_flops_per_s"] = summary["flops_per_step"] / summary["step_time_s"]
     summary["mfu"] = summary["achieved_flops_per_s"] / summary["peak_flops_total"]
+    summary["comm_tax_s"] = summary["step_paired_s"] - summary["step_nocomm_s"]
+    summary = summary.join(crosscheck.checks(summary, curves))
     summary = summary.join(scaling.predict(summary, curves, list(VARIANT_KEYS)))
     # Only for models that ran: one that failed may be one nobody can build (too large).
     ran = summary[summary["status"].isin(records.RAN)]

@@ -1,33 +1,40 @@
-"""Where a step's time goes, and what it sends: read from a rank's profiler trace.
+"""Where a step's time goes, and what it sends: read from a rank's profiled steps.
 
-Torch-free: pure functions over Chrome trace events (what `torch.profiler` exports), so
-a trace kept beside a cell can be read again anywhere.
+Torch-free: pure functions over what profiling.py recorded (Chrome trace events and
+marks.Region figures), so a trace kept beside a cell can be read again anywhere.
 
-The critical timeline is where the step's work waits on itself: the main thread on CPU
-(gloo runs collectives on its own threads, so the main thread idles while it waits for
-one), the GPU streams on CUDA (the host runs ahead). Within each profiled step
-(`parabench.step`) time is attributed, in this order, each part taking only time no
-earlier part took, so the parts never overlap and sum to the profiled step:
+Each profiled step (`parabench.step`) is split into parts that never overlap and sum to
+it, with nothing estimated and nothing subtracted:
 
 - data: batch fetch (`parabench.data`, DataLoader mode) and host-to-device copies;
-- compute: forward, backward and optimizer (every op on the critical timeline that is
-  not communication or a wait for it);
-- bubble: a pipeline stage idle, waiting to receive from a neighbour (for strategies
-  that cut the model; elsewhere a wait on a receive is communication);
-- comm_exposed: communication that compute did not hide (any collective or send/recv,
-  on any thread or stream, while the critical timeline did nothing else);
-- other: the rest (Python, launch overhead, waits on nothing we can name).
+- compute: forward, backward and the update;
+- comm_exposed: communication the rank waited for (compute did not hide it);
+- bubble: for strategies whose stages run on ranks of their own (a pipeline), the
+  time a stage waited for its neighbour, its transfers included;
+- other: the rest (Python between regions, zero_grad, launch overhead).
 
-The profiler's own cost is not the step's. `profiler_s`, what it adds to a step, is
-measured by the caller (profiling.profiler_cost) and taken out of the parts where the
-profiler's work lands, shared by the events it records there: an event inside another
-op's span lengthens that op (compute); the others lengthen the gaps between ops (other).
-On GPU the host's work only stretches the streams' idle gaps (other). The parts then sum
-to the profiled step less `profiler_s`: what the step takes when nobody watches.
+On CUDA the critical timeline is the GPU's streams (the host runs ahead): compute is
+the kernels that are not communication, exposed communication the NCCL kernels while
+no compute kernel ran, bubble (pipelines) a receive no compute overlapped.
+
+On CPU it is the main thread, whose work the regions (marks.py) bracket: forward,
+backward, optimizer (a pipeline's schedule). Within them, by the kernel's accounting
+(schedstat), the thread ran on a core, waited for a core (runq), or was blocked. Blocked,
+it waited for a collective or a neighbour. Waiting for a core, it took turns with the
+other threads bound there: with the k - 1 ranks that share its core (k = ranks per core,
+from the binding), which is compute's own cost on this machine, up to (k - 1) times its
+own time on the core; beyond that, with communication's threads (gloo's), which is
+communication's cost. What the rank waited for communication is that, blocked plus
+contention, and never more than the time communication was under way (collectives'
+spans, and torch's own ranges around them: FSDP's gathers and reductions); blocked
+beyond it, the thread waited for its own intra-op threads. Compute is the regions' time
+less that wait: work the main thread does for communication (FSDP's copies into and
+out of its buffers, launching a collective) is compute, as it is in the
+no-communication step it is checked against.
 
 comm is every collective's and send/recv's own time (union over threads or streams),
-hidden or not. Communication volume is counted from the c10d ops the trace records,
-with their tensor shapes: one per collective issued.
+hidden or not. Communication volume is counted from the c10d ops the counted step
+records, with their tensor shapes: one per collective issued.
 """
 
 from __future__ import annotations
@@ -40,17 +47,19 @@ from parabench.ops import BY_C10D
 
 STEP_MARK = "parabench.step"
 DATA_MARK = "parabench.data"
+COMPUTE_REGIONS = ("forward", "backward", "optimizer", "schedule")
 
-# Communication and waits for it, on any thread: gloo's own ops, the c10d dispatcher
-# ops, functional collectives (DTensor), FSDP2's waits for its gathers and reductions,
-# NCCL kernels.
+# Communication's own spans, on the thread or stream that ran it: gloo's and NCCL's
+# work, functional collectives, NCCL kernels.
 _COMM = re.compile(
-    r"^(gloo:|c10d::|_c10d_functional::|c10d_functional::|record_param_comms|"
-    r"FSDP::all_gather \(|FSDP::.*wait|nccl|ncclDevKernel|ncclKernel)"
+    r"^(gloo:|nccl:|c10d::|_c10d_functional::|c10d_functional::|record_param_comms|"
+    r"ncclDevKernel|ncclKernel)"
 )
-_RECV = re.compile(r"^(gloo:recv|c10d::recv|ncclDevKernel_SendRecv|ncclKernel_SendRecv)")
+# torch's own ranges around communication on the main thread (FSDP's all-gathers, their
+# waits and its reduce-scatters): communication is under way while they last.
+_COMM_RANGE = re.compile(r"^(FSDP::all_gather \(|FSDP::post_backward_reduce|FSDP::.*wait)")
+_RECV = re.compile(r"^(ncclDevKernel_SendRecv|ncclKernel_SendRecv)")
 _H2D = re.compile(r"Memcpy HtoD|memcpy.*HtoD", re.I)
-
 _ELEMENT = {"float": 4, "c10::BFloat16": 2, "c10::Half": 2, "double": 8, "long int": 8, "int": 4}
 PARTS = ("compute_s", "comm_exposed_s", "bubble_s", "data_s", "other_s")
 
@@ -111,105 +120,124 @@ def step_windows(events: list[dict]) -> tuple[list[Interval], object]:
 
 
 def anatomy(
-    events: list[dict], cuts_model: bool = False, profiler_s: float = 0.0
+    events: list[dict],
+    regions: list[list[dict]],
+    pipelined: bool = False,
+    ranks_per_core: float = 1.0,
 ) -> list[dict[str, float]]:
     """Seconds of each part of each profiled step, plus `step_s` (their sum: the
-    profiled step less `profiler_s`, what the profiler added to it) and `comm_s`."""
+    profiled step) and `comm_s`. `regions`: per profiled step, in order, the marked
+    regions with the main thread's figures (marks.Region.as_dict); `ranks_per_core`:
+    how many ranks take turns on each of this rank's cores."""
     windows, main = step_windows(events)
     if not windows:
         return []
     spans = [e for e in events if e.get("ph") == "X" and "dur" in e]
     device = [e for e in spans if _is_device(e)]
-    on_gpu = any(e.get("cat") == "kernel" for e in device)
     comm = union(_span(e) for e in spans if _COMM.match(e["name"]))
     data = union(
         [_span(e) for e in spans if e["name"] == DATA_MARK]
         + [_span(e) for e in device if _H2D.search(e["name"])]
     )
-    if on_gpu:  # the streams are the critical timeline; the host queues ahead
-        busy = [_span(e) for e in device if e.get("cat") == "kernel" and not _COMM.match(e["name"])]
-        recv = [_span(e) for e in device if _RECV.match(e["name"])]
-    else:
-        main_ops = [e for e in spans if e.get("tid") == main and e.get("cat") == "cpu_op"]
-        busy = [_span(e) for e in main_ops if not _COMM.match(e["name"])]
-        recv = [_span(e) for e in spans if e.get("tid") == main and _RECV.match(e["name"])]
-        # an op that merely waits on communication is not compute
-        busy = subtract(union(busy), comm_on_main(spans, main))
-    compute = subtract(union(busy), data)
-    taken = union(data + compute)
-    bubble = subtract(union(recv), taken) if cuts_model else []
-    taken = union(taken + bubble)
-    exposed = subtract(comm, taken)
-    # the main thread's recorded events, outermost first where two start together
-    recorded_main = sorted(
-        (_span(e) for e in spans if e.get("tid") == main and e["name"] != STEP_MARK),
-        key=lambda s: (s[0], -s[1]),
+    if any(e.get("cat") == "kernel" for e in device):
+        return [_on_gpu(device, comm, data, pipelined, w) for w in windows]
+    ranges = union(_span(e) for e in spans if e.get("tid") == main and _COMM_RANGE.match(e["name"]))
+    return [
+        _on_cpu(step_regions, comm, data, ranges, pipelined, ranks_per_core, w)
+        for step_regions, w in zip(regions, windows, strict=False)
+    ]
+
+
+def _parts(step_s: float, **parts: float) -> dict[str, float]:
+    """The parts in seconds (trace times are µs), `other_s` what they leave."""
+    out = {k: parts.get(k, 0.0) / 1e6 for k in (*PARTS, "comm_s") if k != "other_s"}
+    out["step_s"] = step_s / 1e6
+    out["other_s"] = max(0.0, out["step_s"] - sum(out[k] for k in PARTS if k != "other_s"))
+    return out
+
+
+def _on_gpu(device, comm, data, pipelined: bool, window: Interval) -> dict[str, float]:
+    lo, hi = window
+    busy = union(
+        _span(e) for e in device if e.get("cat") == "kernel" and not _COMM.match(e["name"])
     )
-    per_step = []
-    for lo, hi in windows:
-        parts = {
-            "data_s": length(clip(data, lo, hi)),
-            "compute_s": length(clip(compute, lo, hi)),
-            "bubble_s": length(clip(bubble, lo, hi)),
-            "comm_exposed_s": length(clip(exposed, lo, hi)),
-            "comm_s": length(clip(comm, lo, hi)),
-        }
-        parts["other_s"] = max(0.0, (hi - lo) - sum(parts[k] for k in PARTS if k != "other_s"))
-        parts["step_s"] = hi - lo
-        outer, inner = nesting(recorded_main, lo, hi)
-        cost = profiler_s * 1e6  # µs, as the trace
-        in_ops = 0.0 if on_gpu or not outer + inner else cost * inner / (outer + inner)
-        within = min(parts["compute_s"], in_ops)
-        gaps = min(parts["other_s"], cost - within)
-        if not on_gpu:  # what the gaps could not hold lengthened the ops
-            within = min(parts["compute_s"], cost - gaps)
-        parts["other_s"] -= gaps
-        parts["compute_s"] -= within
-        parts["profiler_s"] = gaps + within
-        parts["step_s"] -= gaps + within  # the parts' sum: the step, unwatched
-        per_step.append({k: v / 1e6 for k, v in parts.items()})  # trace times are µs
-    return per_step
+    compute = subtract(busy, data)
+    taken = union(data + compute)
+    recv = [_span(e) for e in device if _RECV.match(e["name"])]
+    bubble = subtract(union(recv), taken) if pipelined else []
+    exposed = subtract(comm, union(taken + bubble))
+    return _parts(
+        hi - lo,
+        data_s=length(clip(data, lo, hi)),
+        compute_s=length(clip(compute, lo, hi)),
+        bubble_s=length(clip(bubble, lo, hi)),
+        comm_exposed_s=length(clip(exposed, lo, hi)),
+        comm_s=length(clip(comm, lo, hi)),
+    )
 
 
-def nesting(events: list[Interval], lo: float, hi: float) -> tuple[int, int]:
-    """Of the events (sorted by start, outermost first) starting within [lo, hi]: those
-    not inside another (outer) and those inside one (inner)."""
-    outer = inner = 0
-    end = float("-inf")
-    for a, b in events:
-        if not lo <= a <= hi:
-            continue
-        if a < end:
-            inner += 1
-        else:
-            outer += 1
-            end = b
-    return outer, inner
+def _on_cpu(
+    regions, comm, data, ranges, pipelined: bool, ranks_per_core: float, window: Interval
+) -> dict[str, float]:
+    """One step on the main thread (see the module's docstring); region figures are
+    seconds, the trace's µs."""
+    lo, hi = window
+    step = next((r for r in reversed(regions) if r["name"] == "step"), None)
+    if step is None:  # a step recorded without its figures: wall only
+        return _parts(hi - lo, data_s=length(clip(data, lo, hi)), comm_s=length(clip(comm, lo, hi)))
+    work = [r for r in regions if r["name"] in COMPUTE_REGIONS]
+    wall = sum(r["wall_s"] for r in work)
+    on_core = sum(r["cpu_s"] for r in work)
+    runq = sum(r["runq_s"] for r in work)
+    blocked = sum(_blocked(r) for r in work)
+    contention = max(0.0, runq - (ranks_per_core - 1) * on_core)  # communication's threads
+    # blocked outside the regions (between them) is waiting too
+    outside = max(0.0, _blocked(step) - sum(_blocked(r) for r in regions if r is not step))
+    # Only while communication was under way can the thread have waited for it (or for
+    # a neighbour's send): blocked beyond that, it waited for its own intra-op threads,
+    # which is part of computing.
+    during = length(clip(union(comm + ranges), lo, hi)) / 1e6
+    waited = min(wall, blocked + contention, during)
+    wait = (waited + min(outside, during - waited)) * 1e6
+    compute = (wall - waited) * 1e6
+    wall = step["wall_s"] * 1e6
+    return _parts(
+        wall,
+        data_s=length(clip(data, lo, hi)),
+        compute_s=compute,
+        bubble_s=wait if pipelined else 0.0,
+        comm_exposed_s=0.0 if pipelined else wait,
+        comm_s=length(clip(comm, lo, hi)),
+    )
+
+
+def _blocked(region: dict) -> float:
+    return max(0.0, region["wall_s"] - region["cpu_s"] - region["runq_s"])
+
+
+def critical_steps(per_rank: list[list[dict]]) -> list[dict]:
+    """Per profiled step, the anatomy of the slowest rank: a step's time is the max
+    over ranks (as in steps.csv), and the slowest rank's parts sum to it."""
+    ranks = [r for r in per_rank if r]
+    if not ranks:
+        return []
+    steps = min(len(r) for r in ranks)
+    return [max((r[i] for r in ranks), key=lambda p: p["step_s"]) for i in range(steps)]
 
 
 def critical(per_rank: list[list[dict]]) -> dict:
-    """The anatomy to set beside the recorded step: per profiled step the slowest rank
-    (a step's time is the max over ranks, as in steps.csv), then the median of those
-    steps, whole: robust to one step a neighbour slowed, and its parts still sum to it
-    (a median of each part would not). Of an even number, the mean of the middle two,
-    part by part, as pandas' median of the timed steps: the lower one alone read ~1%
-    low."""
-    # (a rank's record before per-step lists held one step: read as a list of one)
-    ranks = [[r] if isinstance(r, dict) else r for r in per_rank if r]
-    if not ranks:
+    """The anatomy to set beside the recorded step: the median of the critical steps
+    (critical_steps), whole: robust to one step a neighbour slowed, and its parts
+    still sum to it (a median of each part would not). Of an even number, the mean of
+    the middle two, part by part, as pandas' median of the timed steps."""
+    ordered = sorted(critical_steps(per_rank), key=lambda p: p["step_s"])
+    if not ordered:
         return {}
-    steps = min(len(r) for r in ranks)
-    slowest = [max((r[i] for r in ranks), key=lambda p: p["step_s"]) for i in range(steps)]
-    ordered = sorted(slowest, key=lambda p: p["step_s"])
     mid = len(ordered) // 2
     if len(ordered) % 2:
         return ordered[mid]
     a, b = ordered[mid - 1], ordered[mid]
     return {k: (a[k] + b[k]) / 2 for k in a.keys() & b.keys()}
-
-
-def comm_on_main(spans: list[dict], main) -> list[Interval]:
-    return union(_span(e) for e in spans if e.get("tid") == main and _COMM.match(e["name"]))
 
 
 def _numel(dims) -> int:
@@ -224,7 +252,8 @@ def _numel(dims) -> int:
 
 
 def volume(events: list[dict], list_element_bytes: int = 4) -> dict[str, dict[str, float]]:
-    """Collectives issued and bytes handed to them, per op, per profiled step. Sizes
+    """Collectives issued and bytes handed to them, per op, per profiled step, each
+    once (a functional collective runs its c10d op inside its own span). Sizes
     follow nccl-tests: the full buffer (for all-gather the gathered output, for
     reduce-scatter the input to reduce). A TensorList's dtype is not in the trace:
     its elements are `list_element_bytes` each (the caller knows what it sends)."""
@@ -232,11 +261,21 @@ def volume(events: list[dict], list_element_bytes: int = 4) -> dict[str, dict[st
     if not windows:
         return {}
     out: dict[str, dict[str, float]] = defaultdict(lambda: {"count": 0.0, "bytes": 0.0})
-    for e in events:
-        op = BY_C10D.get(e.get("name", ""))
-        if op is None or e.get("ph") != "X" or e.get("tid") != main:
-            continue
+    issued = sorted(
+        (
+            e
+            for e in events
+            if e.get("ph") == "X" and e.get("tid") == main and e.get("name") in BY_C10D
+        ),
+        key=lambda e: (float(e["ts"]), -float(e.get("dur", 0))),
+    )
+    end = float("-inf")
+    for e in issued:
         t = float(e["ts"])
+        if t < end:  # inside one counted already (a functional collective's c10d op)
+            continue
+        end = t + float(e.get("dur", 0))
+        op = BY_C10D[e["name"]]
         if not any(lo <= t <= hi for lo, hi in windows):
             continue
         args = e.get("args", {})

@@ -10,15 +10,24 @@ from __future__ import annotations
 import io
 import math
 import os
+import statistics
 import time
 import traceback
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 from parabench import anatomy, envinfo, equivalence, faults, profiling, records, runtime, strategies
 from parabench.data import LoaderBatches, SyntheticBatches
-from parabench.loop import all_ranks, measure, plan
+from parabench.loop import (
+    all_ranks,
+    measure,
+    measure_alternating,
+    plan,
+    run_step,
+    synchronizer,
+)
 from parabench.models import build
 from parabench.models.base import Model
 from parabench.peak import gemm_flops_per_s
@@ -146,6 +155,11 @@ def divergence(losses: dict[int, float], spec: RunSpec) -> str | None:
     return f"diverged: the loss became {bad[1]} at step {bad[0]}; {why}"
 
 
+def max_over_ranks(per_rank: list[list[float]]) -> list[float]:
+    """Each step's slowest rank (a step's time across ranks)."""
+    return [max(ts) for ts in zip(*per_rank, strict=True)]
+
+
 def timed_window(windows: list) -> list[float] | None:
     """The span of the ranks' timed windows."""
     spans = [w for w in windows if w]
@@ -181,7 +195,51 @@ def reorder_spread(spec: RunSpec, ctx: runtime.Context, reference: dict) -> dict
     }
 
 
-def _run(spec: RunSpec, ctx: runtime.Context, out: Path, common: dict, t_start: float) -> None:
+# The device counts whose rank workload the reference measures (rank_steps); 1 is the
+# reference's own workload, measured beside them.
+RANK_DEVICES = (1, 2, 4, 8)
+RANK_STEPS, RANK_WARMUP = 6, 2
+
+
+def rank_steps(spec: RunSpec, ctx: runtime.Context) -> dict[str, dict]:
+    """What one rank of a data-parallel split of this cell does at n devices, measured
+    here, on one device, alone: the reference's step on B/n samples with the threads a
+    rank at n gets (the host's cores / n, at least one), for n = 1 too. The workloads
+    take turns step by step, so a shared machine's drift hits them alike: their ratios
+    are what the scaling model uses (never the multi-device cells it predicts). Eager,
+    as the reorder replay."""
+    runs = []
+    for n in RANK_DEVICES:
+        if spec.global_batch % n:
+            continue
+        threads = max(1, ctx.host_cores // n) if ctx.device.type == "cpu" else ctx.threads
+        part = replace(spec, batch_size=spec.global_batch // n, scaling="strong")
+        model = build(part.model, part.seed)
+        strategy = strategies.get(part.strategy)(model, part, ctx)
+        runs.append((n, threads, strategy, batch_source(model, part, strategy)))
+    times: dict[int, list[float]] = {n: [] for n, *_ in runs}
+    for step in range(RANK_STEPS + RANK_WARMUP):
+        for n, threads, strategy, batches in runs:
+            torch.set_num_threads(threads)
+            took, _ = run_step(strategy, batches, step, synchronizer(strategy.devices()))
+            if step >= RANK_WARMUP:
+                times[n].append(took)
+    torch.set_num_threads(ctx.threads)
+    return {
+        str(n): {"threads": threads, "step_s": statistics.median(times[n])}
+        for n, threads, *_ in runs
+    }
+
+
+# The no-communication check: steps of the same strategy over a group whose collectives
+# return at once (nocomm.py), after the plan, in turn with the real strategy's.
+NOCOMM_STEPS, NOCOMM_WARMUP = 8, 1
+
+
+def _timed(spec: RunSpec, ctx: runtime.Context, out: Path, t_start: float) -> dict:
+    """The plan's steps (warm-up, timed, profiled), then the counted step: this rank's
+    figures, the cell's parameters after every step of the plan, and the strategy with
+    its batches (for the no-communication check)."""
     model = build(spec.model, spec.seed)
     strategy = strategies.build(model, spec, ctx)
     batches = batch_source(model, spec, strategy)
@@ -195,35 +253,78 @@ def _run(spec: RunSpec, ctx: runtime.Context, out: Path, common: dict, t_start: 
 
     fault = faults.for_cell(spec.model_name, spec.strategy, spec.devices, spec.repeat, ctx.rank)
     steps = plan(spec.steps, spec.warmup, spec.profile_steps)
-    profiler = profiling.StepProfiler(strategy, batches, ctx)
+    profiler = profiling.StepProfiler(ctx)
     measured = measure(strategy, batches, steps, fault, profiler)
 
     held = strategy.held_bytes()  # between steps: what the rank keeps, not transients
-    state = strategy.full_state()  # after every step of the plan, before the memory step
-    profiled = profiler.finish(len(steps), out)
-    list_bytes = spec.record.wire_bytes(spec.precision)
-    profiler_s = profiling.profiler_cost(
-        profiled.cpu_s, measured.timed_cpu_s, profiling.oversubscription(ctx)
+    state = strategy.full_state()  # after every step of the plan, before the counted one
+    sync = synchronizer(physical)
+    counted = profiler.count(lambda: run_step(strategy, batches, len(steps), sync))
+    return {
+        "measured": measured,
+        "state": state,
+        "strategy": (strategy, batches),
+        "next_step": len(steps) + 1,
+        "emulated": strategy.emulated,
+        "stage_cuts": strategy.stage_cuts,
+        "peak_device": peak_device,
+        "setup_s": setup_s,
+        "rank": {
+            # before the no-communication check builds a second copy of the model
+            "peak_memory": profiling.peak_memory(physical, held, counted),
+            "peak_flops": peak_device * len(physical),
+            "held_bytes": held,
+            "trace": profiler.save(out, counted),
+            "anatomy": anatomy.anatomy(
+                profiler.events, profiler.regions, spec.record.pipelined, ctx.ranks_per_core
+            ),
+            "regions": profiler.regions,
+            "comm": anatomy.volume(counted, spec.record.wire_bytes(spec.precision)),
+        },
+    }
+
+
+def _without_comm(spec: RunSpec, ctx: runtime.Context, timed: dict) -> dict:
+    """The same strategy and rank workload with every collective returning at once,
+    timed in turn with the real strategy (loop.measure_alternating); nothing for a
+    cell with no process group (no communication to switch off)."""
+    if not ctx.distributed:
+        return {"nocomm_times": None, "paired_times": None}
+    model = build(spec.model, spec.seed)
+    silent = strategies.build(model, spec, ctx.without_comm())
+    pairs = [timed["strategy"], (silent, batch_source(model, spec, silent))]
+    (real, nocomm), window = measure_alternating(
+        pairs, ctx, NOCOMM_STEPS, NOCOMM_WARMUP, timed["next_step"]
     )
+    timed["measured"].widen(*window)  # timed too: nothing else may run beside them
+    return {"nocomm_times": nocomm, "paired_times": real}
+
+
+def _run(spec: RunSpec, ctx: runtime.Context, out: Path, common: dict, t_start: float) -> None:
+    timed = _timed(spec, ctx, out, t_start)
+    checks = _without_comm(spec, ctx, timed)
+    del timed["strategy"]
+    measured = timed["measured"]
     per_rank = all_ranks(
         {
+            **timed["rank"],
+            **checks,
             "times": measured.times,
+            "profiled_times": measured.profiled_times,
             "losses": measured.losses,
             "window": measured.window,
             "untimed_losses": measured.untimed_losses,
             "host": common["env"]["host"],
-            "peak_memory": profiling.peak_memory(physical, held, profiled),
-            "peak_flops": peak_device * len(physical),
-            "held_bytes": held,
-            "trace": profiled.trace,
-            "anatomy": anatomy.anatomy(profiled.events, spec.record.cuts_model, profiler_s),
-            "comm": anatomy.volume(profiled.counted, list_bytes),
+            "cores": list(ctx.cores),
         },
         ctx,
     )
+    state = timed["state"]
     if not ctx.is_main:
         return
-    reference = reorder_spread(spec, ctx, state) if spec.is_reference else {}
+    reference = {}
+    if spec.is_reference:
+        reference = {**reorder_spread(spec, ctx, state), "rank_steps": rank_steps(spec, ctx)}
 
     rows = []  # the timed steps (warm-up included), by their place in the plan
     for i, (step, phase) in enumerate(zip(measured.steps, measured.phases, strict=True)):
@@ -249,22 +350,42 @@ def _run(spec: RunSpec, ctx: runtime.Context, out: Path, common: dict, t_start: 
         **{
             **spec.record_fields(),
             **common,
-            "emulated": strategy.emulated,
-            "stage_cuts": strategy.stage_cuts,
-            "peak_flops_per_device": peak_device,
+            "emulated": timed["emulated"],
+            "stage_cuts": timed["stage_cuts"],
+            "peak_flops_per_device": timed["peak_device"],
             "peak_flops_total": sum(r["peak_flops"] for r in per_rank),
             "peak_flops_source": "config" if spec.peak_flops else "measured GEMM",
+            # every step of the plan that was profiled, timed like the others (max over
+            # ranks): profiled / timed is what profiling cost
+            "profiled_step_times": max_over_ranks([r["profiled_times"] for r in per_rank]),
+            # steps of the same strategy with every collective returning at once, and
+            # of the real one timed in turn with them (max over ranks)
+            **{
+                key: (
+                    max_over_ranks([r[times] for r in per_rank])
+                    if per_rank[0][times] is not None
+                    else None
+                )
+                for key, times in (
+                    ("nocomm_step_times", "nocomm_times"),
+                    ("paired_step_times", "paired_times"),
+                )
+            },
+            "cpu_binding": [r["cores"] for r in per_rank],
+            "ranks_per_core": ctx.ranks_per_core,
             "peak_memory_bytes": max(r["peak_memory"] for r in per_rank),
             "peak_memory_per_rank": [r["peak_memory"] for r in per_rank],
             "held_bytes_per_rank": [r["held_bytes"] for r in per_rank],
             "traces": [r["trace"] for r in per_rank],
             "anatomy_per_rank": [r["anatomy"] for r in per_rank],
+            # the raw figures the anatomy read: per rank, per profiled step, each region
+            "regions_per_rank": [r["regions"] for r in per_rank],
             "comm_per_rank": [r["comm"] for r in per_rank],
             **reference,
             "hosts": sorted({r["host"] for r in per_rank}),
             # when the cell was timed, every rank's window together (Unix seconds)
             "timed_window": timed_window([r["window"] for r in per_rank]),
-            "setup_s": setup_s,
+            "setup_s": timed["setup_s"],
             "wall_s": time.perf_counter() - t_start,
             "params_file": "params.pt",
         },

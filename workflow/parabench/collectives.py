@@ -62,7 +62,7 @@ def _call(op: str, numel: int, n: int, rank: int, device: torch.device) -> Calla
 
 
 def time_op(
-    op: str, nbytes: int, device: torch.device, min_time_s: float = 0.05, max_iters: int = 50
+    op: str, nbytes: int, device: torch.device, min_time_s: float = 0.03, max_iters: int = 50
 ) -> tuple[float, int]:
     """Mean seconds per call of `op` at `nbytes` (the slowest rank's), and the calls timed.
     Every rank runs the same number of calls: decided from the slowest warm-up."""

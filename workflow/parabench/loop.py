@@ -6,12 +6,16 @@ the process drives, time the step, synchronize again. CPU ops return when done; 
 ones are queued, hence the explicit synchronize. Warm-up steps are timed and kept but
 marked, and left out of every statistic downstream.
 
-The profiled steps of the anatomy run between the timed ones (see `plan`), never
-timed themselves: a `Profiler` runs them.
+The profiled steps of the anatomy run between the timed ones (see `plan`) and are timed
+the same way, inside a profiler session (`Watcher.watch`): their times are not the
+cell's, but their ratio to the timed ones is what profiling costs (`profiler_overhead`).
+The no-communication steps (`measure_alternating`) run after the plan, in turn with
+steps of the real strategy.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -21,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from parabench.faults import Fault
+from parabench.marks import DATA, STEP, region
 from parabench.runtime import Context
 from parabench.strategies.base import Strategy
 
@@ -66,21 +71,39 @@ def plan(steps: int, warmup: int, profile_steps: int) -> list[str]:
     return kinds
 
 
-class Profiler(Protocol):
-    def run(self, step: int, last: bool) -> torch.Tensor:
-        """Run a PROFILED step; `last`: the last of its session (the next step is not).
-        Returns its loss."""
+def sessions(kinds: list[str]) -> list[tuple[list[int], list[int]]]:
+    """Each profiler session of a plan: (the timed run just before it, its profiled
+    steps), as step indices. A profiled step is compared with its neighbours, not with
+    the whole cell's steps: a shared machine drifts more over a cell than between
+    neighbours."""
+    out: list[tuple[list[int], list[int]]] = []
+    run: list[int] = []
+    for step, kind in enumerate(kinds):
+        if kind == TIMED:
+            run.append(step)
+        elif kind == PROFILED and out and out[-1][1][-1] == step - 1:
+            out[-1][1].append(step)  # the session goes on
+        elif kind == PROFILED:
+            out.append((run, [step]))
+            run = []
+    return out
+
+
+class Watcher(Protocol):
+    def watch(self, last: bool) -> contextlib.AbstractContextManager:
+        """Record the PROFILED step run inside; `last`: the last of its session."""
 
 
 @dataclass
 class Measured:
-    """Per-step results of one process: the steps it timed (warm-up and timed ones)."""
+    """Per-step results of one process: the steps it timed (warm-up and timed ones),
+    and the profiled steps' times apart."""
 
     times: list[float]
     losses: list[float]
     steps: list[int] = field(default_factory=list)  # each one's index in the plan
     phases: list[str] = field(default_factory=list)  # WARMUP or TIMED
-    cpu_s: list[float] = field(default_factory=list)  # the main thread's CPU time
+    profiled_times: list[float] = field(default_factory=list)  # timed the same way
     # Wall-clock (Unix) start of the first timed step and end of the last: the window
     # in which nothing else may run on this host (aggregate flags overlaps).
     window: tuple[float, float] | None = None
@@ -88,9 +111,25 @@ class Measured:
     # with the timed ones', every step's loss (a divergence is dated to the step).
     untimed_losses: dict[int, float] = field(default_factory=dict)
 
-    @property
-    def timed_cpu_s(self) -> list[float]:
-        return [c for c, p in zip(self.cpu_s, self.phases, strict=True) if p == TIMED]
+    def widen(self, start: float, end: float) -> None:
+        self.window = (min(start, self.window[0]), end) if self.window else (start, end)
+
+
+def run_step(strategy: Strategy, batches, step: int, sync: Callable[[], None]):
+    """One step as every step runs: the batch, a synchronize, the step (marked, with
+    its data fetch inside it in DataLoader mode), a synchronize. Returns (seconds the
+    step took, its loss)."""
+    if not batches.timed_fetch:  # synthetic batches are made outside the step
+        x, y = batches.batch(step)
+    sync()
+    t0 = time.perf_counter()
+    with region(STEP):
+        if batches.timed_fetch:  # DataLoader mode: the fetch is part of the step
+            with region(DATA):
+                x, y = batches.batch(step)
+        loss = strategy.step(x, y)
+        sync()
+    return time.perf_counter() - t0, loss
 
 
 def measure(
@@ -98,44 +137,62 @@ def measure(
     batches,
     steps: int | list[str],
     fault: Fault | None = None,
-    profiler: Profiler | None = None,
+    watcher: Watcher | None = None,
 ) -> Measured:
-    """Run the steps of a plan (or `steps` timed ones), timing all but the profiled."""
+    """Run the steps of a plan (or `steps` timed ones), timing every one; the profiled
+    ones under `watcher`."""
     kinds = [TIMED] * steps if isinstance(steps, int) else steps
     sync = synchronizer(strategy.devices())
     fault_step = fault.step if fault else -1
     out = Measured([], [])
     losses: list[torch.Tensor] = []
     untimed: dict[int, torch.Tensor] = {}
-    timed_fetch = batches.timed_fetch
     for step, kind in enumerate(kinds):
         if step == fault_step:  # test-only; before the timer, so it costs the step nothing
             fault.fire()
         if kind == PROFILED:
-            untimed[step] = profiler.run(step, last=kinds[step + 1 : step + 2] != [PROFILED])
+            last = kinds[step + 1 : step + 2] != [PROFILED]
+            with watcher.watch(last):
+                took, untimed[step] = run_step(strategy, batches, step, sync)
+            out.profiled_times.append(took)
             continue
-        if not timed_fetch:
-            x, y = batches.batch(step)
-        sync()
-        c0 = time.thread_time()
-        t0 = time.perf_counter()
-        if timed_fetch:
-            x, y = batches.batch(step)
-        loss = strategy.step(x, y)
-        sync()
-        out.times.append(time.perf_counter() - t0)
-        out.cpu_s.append(time.thread_time() - c0)
-        if kind == TIMED:
-            now = time.time()
-            start = now - out.times[-1]
-            out.window = (out.window[0] if out.window else start, now)
+        took, loss = run_step(strategy, batches, step, sync)
+        out.times.append(took)
         losses.append(loss)
         out.steps.append(step)
         out.phases.append(kind)
+        if kind == TIMED:
+            now = time.time()
+            out.widen(now - took, now)
     # One host transfer after the loop instead of one per step.
     out.losses = torch.stack(losses).double().cpu().tolist()
     out.untimed_losses = {s: float(v) for s, v in untimed.items()}
     return out
+
+
+def measure_alternating(
+    pairs: list[tuple[Strategy, object]], ctx: Context, steps: int, warmup: int, start: int
+) -> tuple[list[list[float]], tuple[float, float]]:
+    """`steps` rounds after `warmup` ones, each running one step of every (strategy,
+    batches) in `pairs` in turn: the real strategy and the same one without
+    communication, so a shared machine's drift hits both alike. Each step is started
+    by every rank at once (a barrier on the real group, outside the timer) and timed
+    like the plan's: for the strategy whose collectives return at once, the barrier
+    stands in for what they would have done, keeping the ranks in step so they share
+    the host as in the timed steps instead of taking turns on its cores. Returns this
+    rank's times per strategy, and when they ran (Unix seconds). `start`: the first
+    step index (the batches of steps the plan has not used)."""
+    syncs = [synchronizer(strategy.devices()) for strategy, _ in pairs]
+    times: list[list[float]] = [[] for _ in pairs]
+    began = time.time()
+    for i in range(steps + warmup):
+        for (strategy, batches), sync, out in zip(pairs, syncs, times, strict=True):
+            if ctx.distributed and ctx.world_size > 1:
+                dist.barrier()
+            took, _ = run_step(strategy, batches, start + i, sync)
+            if i >= warmup:
+                out.append(took)
+    return times, (began, time.time())
 
 
 def all_ranks(value, ctx: Context) -> list:

@@ -1,14 +1,18 @@
-"""Profiled steps: a few extra steps under torch.profiler, between the timed steps.
+"""Profiled steps: a few steps between runs of the timed ones (loop.plan), recorded
+lightly enough that they cost what an unprofiled step does.
 
-Timed steps are never profiled (the profiler adds work to every op); these extra steps
-run between runs of them (loop.plan), on the same strategy and batches of their own.
-Each rank keeps its trace beside the cell's records (Chrome trace JSON, gzipped: open it
-in https://ui.perfetto.dev) and reads from it what the timings alone cannot tell.
+Recording every ATen op doubles a small CPU step, so the anatomy's sessions record only
+what it reads (`torch.profiler` limited to user-scope ranges): the step's own regions
+(marks.py: forward, backward, optimizer, data, each with what the main thread did on
+its core), the ranges torch itself puts around communication (FSDP's gathers and
+reductions, a pipeline's micro-batches) and every communication op's span on the thread
+that ran it (gloo's work, NCCL's); on CUDA, every kernel (CUPTI records them whatever
+the scope). The loop times these steps exactly as the timed ones, so their cost is
+measured, not estimated: `profiler_overhead` = profiled step / timed step (medians).
 
-The profiler's own cost is measured, not assumed: what a recorded step costs the main
-thread's CPU over what a timed step does (`profiler_cost`). A per-event cost calibrated
-on a loop of small ops missed it by up to 5x: with four ranks on two cores every rank's
-profiler work also keeps another rank from a core.
+After the plan, one more step (`count`) is recorded in full, with tensor shapes and
+memory: the bytes each collective moves, the CPU memory peak, and a per-op trace for
+Perfetto. It stays out of the anatomy.
 
 Memory on CPU: torch.profiler's memory events carry the allocator's running total of
 bytes allocated since profiling began. What a step needs at its peak is what was
@@ -19,134 +23,123 @@ running total's peak. On CUDA the allocator's own high-water mark says it direct
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import json
 import os
-import statistics
 import tempfile
-import time
-from dataclasses import dataclass
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from torch.profiler import ProfilerActivity, profile, record_function
+from torch.autograd import profiler as autograd_profiler
+from torch.profiler import ProfilerActivity, profile
 
-from parabench.anatomy import DATA_MARK, STEP_MARK
-from parabench.envinfo import usable_cores
-from parabench.loop import synchronizer
+from parabench import marks
 from parabench.runtime import Context
-from parabench.strategies.base import Strategy
+
+
+def _chrome_events(save) -> list[dict]:
+    """Events through the Chrome-trace export (the one stable format); `save(path)`
+    writes it."""
+    fd, path = tempfile.mkstemp(suffix=".json")
+    os.close(fd)
+    try:
+        save(path)
+        return json.loads(Path(path).read_text()).get("traceEvents", [])
+    finally:
+        os.unlink(path)
+
+
+class UserScopeSession:
+    """A profiler session recording user-scope ranges only (and kernels on CUDA).
+    torch.profiler has no public switch for that; its own _enable_profiler takes the
+    scopes. Where that private call is refused (another torch), the session records
+    every op instead, and the measured overhead shows what that costs."""
+
+    def __init__(self, cuda: bool) -> None:
+        self.prof = autograd_profiler.profile(use_device="cuda" if cuda else None, use_kineto=True)
+        self.results = None
+        self.fallback: profile | None = None
+
+    def start(self) -> None:
+        from torch._C._autograd import _enable_profiler, _prepare_profiler
+        from torch._C._profiler import RecordScope
+
+        config = self.prof.config(create_trace_id=False)
+        activities = self.prof.kineto_activities
+        try:
+            _prepare_profiler(config, activities)
+            _enable_profiler(config, activities, {RecordScope.USER_SCOPE})
+        except (TypeError, RuntimeError):  # not this torch's signature: record everything
+            self.fallback = profile(activities=list(activities))
+            self.fallback.start()
+
+    def stop(self) -> list[dict]:
+        if self.fallback is not None:
+            self.fallback.stop()
+            return _chrome_events(self.fallback.export_chrome_trace)
+        from torch._C._autograd import _disable_profiler
+
+        self.results = _disable_profiler()
+        return _chrome_events(self.results.save)
 
 
 @dataclass
-class Profiled:
-    trace: str  # file name of this rank's trace, in the cell directory
-    events: list[dict]  # its Chrome trace events
-    cpu_alloc_peak: int  # peak of bytes allocated on the CPU within a profiled step
-    counted: list[dict]  # events of the step profiled with memory and tensor shapes
-    cpu_s: list[float]  # the main thread's CPU time in each recorded step
-
-
-def _run(strategy: Strategy, batches, step: int, sync, timed_fetch: bool):
-    """One step as the measurement loop runs it, marked for the anatomy; returns the
-    main thread's CPU time in it and the step's loss."""
-    if not timed_fetch:  # synthetic batches are made outside the step, as when timed
-        x, y = batches.batch(step)
-    sync()
-    c0 = time.thread_time()
-    with record_function(STEP_MARK):
-        if timed_fetch:  # DataLoader mode: the fetch is part of the step, as when timed
-            with record_function(DATA_MARK):
-                x, y = batches.batch(step)
-        loss = strategy.step(x, y)
-        sync()
-    return time.thread_time() - c0, loss
-
-
 class StepProfiler:
-    """Runs the plan's profiled steps (loop.plan), a few at a time, each few in a
-    profiler session of its own. No warm-up step: a session's first step costs no more
-    than the next (within 2% here, under step-to-step noise), and what it does cost is
-    in the measured `profiler_cost`."""
+    """Runs the plan's profiled steps' sessions, a few steps each (loop.plan), and
+    keeps what they recorded. `watch` is what the measurement loop wraps a profiled
+    step in; everything else the loop does to it is what it does to a timed step."""
 
-    def __init__(self, strategy: Strategy, batches, ctx: Context) -> None:
-        self.strategy, self.batches, self.ctx = strategy, batches, ctx
-        self.sync = synchronizer(strategy.devices())
-        self.timed_fetch = batches.timed_fetch
-        self.activities = [ProfilerActivity.CPU]
-        if ctx.device.type == "cuda":
-            self.activities.append(ProfilerActivity.CUDA)
-        self.sessions: list[profile] = []
-        self.live: profile | None = None  # the session whose steps are running
-        self.cpu_s: list[float] = []
+    ctx: Context
+    events: list[dict] = field(default_factory=list)  # every session's, one clock
+    regions: list[list[dict]] = field(default_factory=list)  # per profiled step
+    _live: UserScopeSession | None = None
 
-    def run(self, step: int, last: bool):
-        if self.live is None:
-            self.sync()
-            self.live = profile(activities=self.activities)
-            self.live.start()
-            self.sessions.append(self.live)
-        cpu, loss = _run(self.strategy, self.batches, step, self.sync, self.timed_fetch)
-        self.cpu_s.append(cpu)
+    @contextlib.contextmanager
+    def watch(self, last: bool) -> Iterator[None]:
+        """Record one step; `last`: the last of its session, which then stops."""
+        if self._live is None:
+            self._live = UserScopeSession(self.ctx.device.type == "cuda")
+            self._live.start()
+        with marks.recording() as found:
+            yield
+        self.regions.append([r.as_dict() for r in found])
         if last:
-            self.live.stop()
-            self.live = None
-        return loss
+            events = self._live.stop()
+            # one clock for all sessions: only the first one's metadata is kept
+            self.events += [e for e in events if not self.events or e.get("ph") != "M"]
+            self._live = None
 
-    def finish(self, next_step: int, out: Path) -> Profiled:
-        """Keep this rank's trace (every session's events in one file), then profile
-        one more step, `next_step`, with memory and tensor shapes (the CPU peak, and the
-        bytes each collective moves): recording those works on every allocation and op,
-        so that step has a session of its own and stays out of the anatomy."""
-        events: list[dict] = []
-        for i, session in enumerate(self.sessions):
-            # one clock for all sessions: their events merge into one timeline
-            events += [e for e in _exported(session) if i == 0 or e.get("ph") != "M"]
+    def count(self, run_step) -> list[dict]:
+        """Record one more step, `run_step()`, with memory and tensor shapes: the
+        bytes each collective moves and the CPU memory peak. Recording those works on
+        every allocation and op, so this step has a session of its own and stays out
+        of the anatomy."""
+        activities = [ProfilerActivity.CPU]
+        if self.ctx.device.type == "cuda":
+            activities.append(ProfilerActivity.CUDA)
+        counting = profile(activities=activities, profile_memory=True, record_shapes=True)
+        with counting as m, marks.recording():  # its step range bounds what is counted
+            run_step()
+        return _chrome_events(m.export_chrome_trace)
+
+    def save(self, out: Path, counted: list[dict]) -> str:
+        """This rank's trace beside the cell's records: the profiled steps (light) and
+        the counted step (every op), in one file on one clock; returns its name."""
         name = f"trace-rank{self.ctx.rank}.json.gz"
         out.mkdir(parents=True, exist_ok=True)
         tmp = out / f".{name}.tmp"
+        events = self.events + [e for e in counted if e.get("ph") != "M"]
         try:
             # One write of one string: json.dump hands gzip thousands of small pieces.
-            # With level 6 (not 9) a gpt trace takes 0.15 s, not 0.6, and is 10% larger.
             with gzip.open(tmp, "wt", compresslevel=6) as f:
                 f.write(json.dumps({"traceEvents": events}))
             tmp.replace(out / name)  # whole or absent, never half-written
         finally:
             tmp.unlink(missing_ok=True)
-        with profile(
-            activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True
-        ) as m:
-            _run(self.strategy, self.batches, next_step, self.sync, self.timed_fetch)
-        counted = _exported(m)
-        return Profiled(name, events, cpu_alloc_peak(counted), counted, self.cpu_s)
-
-
-def oversubscription(ctx: Context) -> float:
-    """Threads this host's ranks want (ranks x threads each) over its cores."""
-    return ctx.local_world * ctx.threads / usable_cores()
-
-
-def profiler_cost(profiled_cpu: list[float], timed_cpu: list[float], share: float) -> float:
-    """Seconds the profiler adds to a profiled step, from what it costs the CPU: the main
-    thread's CPU time in a recorded step over that in a timed one (medians; the two
-    interleave, so drift hits both alike), times `share`, the cores' oversubscription
-    (threads wanting a core / cores, at least 1): work added to every rank on cores
-    they share stretches each one's step by that much more. 0 without both."""
-    if not profiled_cpu or not timed_cpu:
-        return 0.0
-    extra = statistics.median(profiled_cpu) - statistics.median(timed_cpu)
-    return max(0.0, extra) * max(1.0, share)
-
-
-def _exported(prof) -> list[dict]:
-    """A profile's events, through the Chrome-trace export (the one stable format)."""
-    fd, path = tempfile.mkstemp(suffix=".json")
-    os.close(fd)
-    try:
-        prof.export_chrome_trace(path)
-        return json.loads(Path(path).read_text()).get("traceEvents", [])
-    finally:
-        os.unlink(path)
+        return name
 
 
 def cpu_alloc_peak(events: list[dict]) -> int:
@@ -159,11 +152,11 @@ def cpu_alloc_peak(events: list[dict]) -> int:
     return max(totals, default=0)
 
 
-def peak_memory(devices: list[torch.device], held: dict[str, int], profiled: Profiled) -> int:
+def peak_memory(devices: list[torch.device], held: dict[str, int], counted: list[dict]) -> int:
     """Peak bytes per device of this process: the allocator's high-water mark on CUDA
-    (max over its devices); on CPU, what was held between steps plus the profiled
-    steps' peak allocation (see the module's docstring)."""
+    (max over its devices); on CPU, what was held between steps plus the counted
+    step's peak allocation (see the module's docstring)."""
     cuda = [d for d in devices if d.type == "cuda"]
     if cuda:
         return max(torch.cuda.max_memory_allocated(d) for d in cuda)
-    return held["params"] + held["optimizer"] + profiled.cpu_alloc_peak
+    return held["params"] + held["optimizer"] + cpu_alloc_peak(counted)

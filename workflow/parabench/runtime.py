@@ -1,11 +1,16 @@
-"""Where this process sits: rank, device, threads and the process group.
+"""Where this process sits: rank, device, cores, threads and the process groups.
 
 Ranks are read from the environment torchrun sets (RANK, LOCAL_RANK, WORLD_SIZE), as in
-nanoGPT; nothing is passed by hand.
+nanoGPT; nothing is passed by hand. Ranks that share a host are bound to their share of
+its cores, as srun and mpirun bind them, so that what each rank gets is decided, not
+left to the scheduler. Strategies communicate over `Context.group`; the same strategy
+built over `Context.without_comm()` runs its real work with every collective returning
+at once (nocomm.py).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 from dataclasses import dataclass
@@ -14,6 +19,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from parabench import nocomm
 from parabench.envinfo import usable_cores
 from parabench.spec import RunSpec
 
@@ -31,10 +37,38 @@ class Context:
     threads: int
     distributed: bool  # a process group exists
     local_world: int = 1  # processes on this host (LOCAL_WORLD_SIZE)
+    cores: tuple[int, ...] = ()  # the cores this rank is bound to (its share of the host's)
+    host_cores: int = 1  # the cores this host's ranks share (the allocation's)
+    group: dist.ProcessGroup | None = None  # what the strategy communicates over
+    local: dist.ProcessGroup | None = None  # the no-communication group (nocomm.py)
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+    @property
+    def communicates(self) -> bool:
+        """False for a context whose collectives return at once (without_comm)."""
+        return not nocomm.used(self.group)
+
+    @property
+    def ranks_per_core(self) -> float:
+        """How many of this host's ranks share each of this rank's cores (1 when each
+        has cores of its own): time-slicing, when it is above 1."""
+        return max(1.0, self.local_world * self.threads / max(1, self.host_cores))
+
+    def without_comm(self) -> Context:
+        """This context with every collective returning at once, on this rank's data."""
+        return dataclasses.replace(self, group=self.local)
+
+    def mesh(self):
+        """A 1-D device mesh over this context's group. Named after the group: DTensor
+        caches sharding plans by mesh, and two meshes of the same ranks compare equal,
+        so an unnamed no-communication mesh would reuse the real one's collectives."""
+        from torch.distributed.device_mesh import DeviceMesh
+
+        name = "world" if self.communicates else "nocomm"
+        return DeviceMesh.from_group(self.group, self.device.type, mesh_dim_names=(name,))
 
 
 def resolve_device_type(requested: str) -> str:
@@ -43,8 +77,27 @@ def resolve_device_type(requested: str) -> str:
     return requested
 
 
+def bind(local_rank: int, local_world: int) -> tuple[int, ...]:
+    """Bind this process to its share of the host's cores: local_world consecutive
+    slices of them (srun --cpu-bind=cores), or, with more ranks than cores, the core
+    its rank falls on (ranks then take turns on it). Everything the process starts
+    afterwards (gloo's threads, intra-op threads) inherits the binding."""
+    cores = sorted(os.sched_getaffinity(0))
+    if local_world <= 1:
+        return tuple(cores)
+    if local_world >= len(cores):
+        mine = [cores[local_rank * len(cores) // local_world]]
+    else:
+        lo = local_rank * len(cores) // local_world
+        hi = (local_rank + 1) * len(cores) // local_world
+        mine = cores[lo:hi]
+    os.sched_setaffinity(0, mine)
+    return tuple(mine)
+
+
 def start(spec: RunSpec) -> Context:
-    """Set device and threads, and open a process group when the strategy has ranks."""
+    """Bind to cores, set device and threads, and open the process groups when the
+    strategy has ranks."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -76,12 +129,15 @@ def start(spec: RunSpec) -> Context:
     else:
         device = torch.device(device_type)
 
-    # Ranks on one node share its cores: cores // ranks each, set explicitly (torchrun
-    # only sets OMP_NUM_THREADS=1, and only when it starts more than one rank).
-    threads = max(1, usable_cores() // max(1, local_world))
+    # Ranks on one host share its cores: each is bound to its share, and runs that many
+    # threads (at least one: with more ranks than cores, they take turns on a core).
+    # torchrun only sets OMP_NUM_THREADS=1, and only when it starts several ranks.
+    host_cores = usable_cores()
+    cores = bind(local_rank, local_world)
+    threads = len(cores)
     torch.set_num_threads(threads)
 
-    distributed = False
+    distributed, group, local = False, None, None
     if spec.record.process_group(spec.devices):
         backend = "nccl" if device.type == "cuda" else "gloo"
         timeout = timedelta(seconds=spec.timeout_s)
@@ -93,8 +149,20 @@ def start(spec: RunSpec) -> Context:
             dist.init_process_group(
                 backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
             )
-        distributed = True
-    return Context(rank, world, local_rank, device, threads, distributed, local_world)
+        distributed, group, local = True, dist.group.WORLD, nocomm.local_group()
+    return Context(
+        rank,
+        world,
+        local_rank,
+        device,
+        threads,
+        distributed,
+        local_world,
+        cores,
+        host_cores,
+        group,
+        local,
+    )
 
 
 def finish(ctx: Context) -> None:

@@ -19,7 +19,7 @@ import jinja2
 import numpy as np
 import yaml
 
-from parabench import equivalence
+from parabench import equivalence, scaling
 from parabench.catalog import CATALOG, LABELS, STRATEGIES
 from parabench.report.figures import plots
 from parabench.report.loading import Results, row_anchor, rows
@@ -46,6 +46,8 @@ def build_context(r: Results, config: dict) -> dict:
         "anatomy": [
             {**row, "why": why(row, r.collectives)} for row in rows(s[s["status"] == "ok"])
         ],
+        "checks": _checks(s[s["status"] == "ok"]),
+        "model_error": scaling.error_table(s),
         # the curves at the largest message measured (64 MiB by default)
         "collectives_largest": rows(
             r.collectives[r.collectives["bytes"] == r.collectives["bytes"].max()]
@@ -74,6 +76,17 @@ def build_context(r: Results, config: dict) -> dict:
         "n_ok": int((r.cells["status"] == "ok").sum()),
         "timed_steps": int((r.steps["phase"] == "timed").sum()) if len(r.steps) else 0,
         "plots": plots(r),
+    }
+
+
+def _checks(ok) -> dict:
+    """How many cells' anatomies every check confirms, and how many were profiled at
+    most 10% above their timed step."""
+    with_anatomy = ok[ok["compute_s"].notna()]
+    return {
+        "cells": len(with_anatomy),
+        "agree": int((~with_anatomy["anatomy_flag"].astype(bool)).sum()),
+        "light": int((with_anatomy["profiler_overhead"] <= 1.10).sum()),
     }
 
 

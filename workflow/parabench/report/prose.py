@@ -233,6 +233,11 @@ def why(row, curves: pd.DataFrame) -> str:
     if step is None or pd.isna(step) or not step:
         return ""
     label, n = LABELS.get(row["strategy"], row["strategy"]), int(row["devices"])
+    if row.get("anatomy_flag") is True:  # no confident sentence from unconfirmed parts
+        return (
+            f"{label} at {n} device{'s' if n != 1 else ''}: its anatomy and the checks "
+            f"disagree, so no part is claimed: {row['anatomy_disagreement']}."
+        )
     share = {
         k: (row.get(k) or 0) / step
         for k in ("compute_s", "comm_exposed_s", "bubble_s", "data_s", "other_s")

@@ -22,6 +22,7 @@ from torch import nn
 
 from parabench.data import Shard
 from parabench.flops import block_flops
+from parabench.marks import BACKWARD, FORWARD, OPTIMIZER, region
 from parabench.models.base import Model
 from parabench.partition import balanced_cuts
 from parabench.runtime import Context
@@ -164,13 +165,17 @@ def train_step(
     y: torch.Tensor,
     precision: contextlib.AbstractContextManager,
 ) -> torch.Tensor:
-    """Plain forward, backward, update: the baseline every strategy is measured against."""
+    """Plain forward, backward, update: the baseline every strategy is measured against.
+    Its regions (marks.py) are what the anatomy reads."""
     opt.zero_grad(set_to_none=True)
-    with precision:
-        out = module(x)
-    loss = loss_fn(out, y)
-    loss.backward()
-    opt.step()
+    with region(FORWARD):
+        with precision:
+            out = module(x)
+        loss = loss_fn(out, y)
+    with region(BACKWARD):
+        loss.backward()
+    with region(OPTIMIZER):
+        opt.step()
     return loss.detach()
 
 

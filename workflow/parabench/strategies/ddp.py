@@ -19,7 +19,7 @@ def wrap_ddp(model: Model, ctx: Context) -> DDP:
     module = model.blocks.to(ctx.device)
     # On CPU, device_ids must be None: the module stays where it is.
     ids = [ctx.device.index] if ctx.device.type == "cuda" else None
-    return DDP(module, device_ids=ids)
+    return DDP(module, device_ids=ids, process_group=ctx.group)
 
 
 class DistributedDataParallel(Strategy):

@@ -32,4 +32,4 @@ class CompressedDDP(DistributedDataParallel):
     def __init__(self, model: Model, spec: RunSpec, ctx: Context) -> None:
         super().__init__(model, spec, ctx)
         hook = bf16_compress_hook if ctx.device.type == "cuda" else gloo_bf16_compress
-        self.module.register_comm_hook(None, hook)  # None: the default process group
+        self.module.register_comm_hook(ctx.group, hook)

@@ -12,7 +12,6 @@ False keeps them from forward to backward (ZeRO-2-like: less communication, more
 from __future__ import annotations
 
 import torch
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from parabench.data import Shard
@@ -27,7 +26,7 @@ class FullyShard(Strategy):
 
     def __init__(self, model: Model, spec: RunSpec, ctx: Context) -> None:
         super().__init__(model, spec, ctx)
-        mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
+        mesh = ctx.mesh()
         blocks = model.blocks.to(ctx.device)
         reshard = spec.option("reshard_after_forward")
         for block in blocks:  # one all-gather / reduce-scatter unit per block

@@ -12,6 +12,7 @@ import contextlib
 import torch
 
 from parabench.data import Shard
+from parabench.marks import BACKWARD, FORWARD, OPTIMIZER, region
 from parabench.models.base import Model
 from parabench.runtime import Context
 from parabench.spec import RunSpec
@@ -41,12 +42,15 @@ class GradAccum(Strategy):
             last = i == self.k - 1
             sync = contextlib.nullcontext() if last or not self.ddp else self.module.no_sync()
             with sync:
-                with self.autocast():
-                    out = self.module(xm)
-                loss = self.loss_fn(out, ym) / self.k
-                loss.backward()
+                with region(FORWARD):
+                    with self.autocast():
+                        out = self.module(xm)
+                    loss = self.loss_fn(out, ym) / self.k
+                with region(BACKWARD):
+                    loss.backward()
             total += loss.detach()
-        self.opt.step()
+        with region(OPTIMIZER):
+            self.opt.step()
         return total / self.ctx.world_size
 
     def full_state(self) -> dict[str, torch.Tensor] | None:

@@ -8,14 +8,21 @@ to bound activation memory (needs m >= stages). The idle share (bubble) is
 
 In bf16, activations and their gradients cross stage boundaries in bf16, as in real
 bf16 pipelines; parameters, gradients and the optimizer stay fp32.
+
+Without communication (Context.without_comm), the stage is built and first stepped over
+the real group: the schedule's first step agrees on the stages' shapes by sending them,
+which a group whose receives keep their buffers cannot answer. From its second step
+on, its sends and receives return at once, its buffers holding the last real data.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
+from parabench.marks import OPTIMIZER, SCHEDULE, region
 from parabench.models.base import Model, example_batch
 from parabench.runtime import Context
 from parabench.spec import RunSpec
@@ -82,7 +89,10 @@ class Pipeline(Strategy):
             ctx.device,
             input_args=(example_in,),
             output_args=(example_out.to(ctx.device, wire).requires_grad_(True),),
+            group=dist.group.WORLD,
         )
+        self.stage = stage
+        self._silence = None if ctx.communicates else ctx.group  # after the first step
         self.schedule = SCHEDULES[spec.option("schedule")](
             stage, n_microbatches=m, loss_fn=self.loss_fn
         )
@@ -92,8 +102,12 @@ class Pipeline(Strategy):
         losses: list[torch.Tensor] = []
         args = (x,) if self.first else ()
         kwargs = {"target": y, "losses": losses} if self.last else {}
-        self.schedule.step(*args, **kwargs)
-        self.opt.step()
+        with region(SCHEDULE):
+            self.schedule.step(*args, **kwargs)
+        with region(OPTIMIZER):
+            self.opt.step()
+        if self._silence is not None:
+            self.stage.group, self._silence = self._silence, None
         if not self.last:
             return torch.zeros((), device=self.ctx.device)
         # Each micro-batch loss is a mean over B/m samples; their mean is the global mean.

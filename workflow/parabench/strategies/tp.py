@@ -12,7 +12,6 @@ identical gradients on every rank.
 from __future__ import annotations
 
 import torch
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     RowwiseParallel,
@@ -32,7 +31,7 @@ class TensorParallel(Strategy):
 
     def __init__(self, model: Model, spec: RunSpec, ctx: Context) -> None:
         super().__init__(model, spec, ctx)
-        mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
+        mesh = ctx.mesh()
         blocks = model.blocks.to(ctx.device)
         plan = {
             fqn: STYLES[style]() if isinstance(style, str) else style  # a custom ParallelStyle

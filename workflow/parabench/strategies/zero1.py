@@ -21,7 +21,8 @@ class Zero1(DistributedDataParallel):
 
     def make_opt(self, params) -> torch.optim.Optimizer:
         cls, kwargs = optimizer_class(self.spec)
-        return ZeroRedundancyOptimizer(params, optimizer_class=cls, **kwargs)
+        group = self.ctx.group
+        return ZeroRedundancyOptimizer(params, optimizer_class=cls, process_group=group, **kwargs)
 
     def local_optimizer(self) -> torch.optim.Optimizer:
         return self.opt.optim  # the inner optimizer over this rank's parameters only

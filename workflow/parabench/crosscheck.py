@@ -1,0 +1,90 @@
+"""Each part of a step's anatomy against a measurement taken apart from it.
+
+- Work: what the anatomy calls compute, data and other, against the same strategy's
+  step with every collective returning at once (`step_nocomm_s`, nocomm.py), timed
+  without the profiler in the same cell: the step on an infinitely fast interconnect.
+  For a pipeline that step has no bubble either (its stages no longer wait for each
+  other), so it is the stages' own compute. The no-communication steps run after the
+  plan, in turn with steps of the real strategy (`step_paired_s`), so the check
+  compares shares: of the profiled step, what the anatomy says was not waiting; of
+  the real step timed beside them, what is left without communication. A machine
+  that sped up or slowed down between the plan and the check moves both alike.
+- Communication: all of it (`comm_s`, hidden or not) against the collectives benchmark
+  at the bytes the cell sent (`comm_curve_s`: each collective issued, timed alone).
+- Bubble (pipelines): against the schedule's, (n-1)/m of a stage's compute per step
+  (m micro-batches through n stages take m + n - 1 slots, n - 1 of them idle).
+
+Where one is off by more than TOLERANCE, the cell is flagged and the report shows both
+figures instead of a confident sentence; nothing is adjusted to agree.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+
+from parabench.catalog import record
+from parabench.scaling import comm_time, options
+
+TOLERANCE = 0.20
+COLUMNS = (
+    "work_check",
+    "comm_curve_s",
+    "comm_check",
+    "schedule_bubble_s",
+    "bubble_check",
+    "anatomy_flag",
+    "anatomy_disagreement",
+)
+
+
+def _off(measured: float, check: float) -> float:
+    return measured / check - 1 if check and np.isfinite(check) else np.nan
+
+
+def check(row: pd.Series, curves: pd.DataFrame) -> dict:
+    """The checks of one summary row (NaN where a check does not apply)."""
+    n = int(row["devices"])
+    work = row["compute_s"] + row["data_s"] + row["other_s"]
+    share = work / row["profiled_step_s"] if row["profiled_step_s"] else np.nan
+    out = {"work_check": _off(share, row["step_nocomm_s"] / row["step_paired_s"])}
+    comm = comm_time(row["comm_by_op"], curves, n) if n > 1 else np.nan
+    out["comm_curve_s"] = comm
+    out["comm_check"] = _off(row["comm_s"], comm) if comm and row["comm_s"] else np.nan
+    bubble = np.nan
+    if record(row["strategy"]).pipelined and n > 1:
+        bubble = row["compute_s"] * (n - 1) / options(row).get("microbatches", 1)
+    out["schedule_bubble_s"] = bubble
+    out["bubble_check"] = _off(row["bubble_s"], bubble)
+    said = []
+    if abs(out["work_check"]) > TOLERANCE:
+        said.append(
+            f"compute + data + other {work * 1e3:.2f} ms of the {row['profiled_step_s'] * 1e3:.2f}"
+            f" ms step ({share:.0%}), but without communication the step takes "
+            f"{row['step_nocomm_s'] * 1e3:.2f} ms of {row['step_paired_s'] * 1e3:.2f} ms "
+            f"({row['step_nocomm_s'] / row['step_paired_s']:.0%})"
+        )
+    if abs(out["comm_check"]) > TOLERANCE:
+        said.append(
+            f"communication took {row['comm_s'] * 1e3:.2f} ms, the same collectives alone "
+            f"{comm * 1e3:.2f} ms"
+        )
+    if abs(out["bubble_check"]) > TOLERANCE:
+        said.append(
+            f"the bubble measured {row['bubble_s'] * 1e3:.2f} ms, the schedule's "
+            f"(n-1)/m of the stage's compute {bubble * 1e3:.2f} ms"
+        )
+    out["anatomy_flag"] = bool(said)
+    out["anatomy_disagreement"] = "; ".join(said)
+    return out
+
+
+def checks(summary: pd.DataFrame, curves: pd.DataFrame) -> pd.DataFrame:
+    """The checks of every row with an anatomy."""
+    out = pd.DataFrame(index=summary.index, columns=list(COLUMNS), dtype=object)
+    for i, row in summary.iterrows():
+        if pd.notna(row.get("compute_s")):
+            out.loc[i, list(COLUMNS)] = list(check(row, curves).values())
+    for c in ("work_check", "comm_curve_s", "comm_check", "schedule_bubble_s", "bubble_check"):
+        out[c] = out[c].astype(float)
+    return out

@@ -1,0 +1,135 @@
+"""A process group whose collectives complete at once, on this rank's own data: the
+no-communication check (`step_nocomm_s`, "this step on an infinitely fast
+interconnect").
+
+A strategy built over it runs its real code and its real compute, rank by rank, at the
+same time as the other ranks (so they share the host's cores as in the timed steps),
+and every collective returns immediately. torch.distributed's own `fake` backend does
+the same but leaves outputs it did not fill uninitialised: FSDP's gathered parameters,
+tensor parallel's scattered shards and a pipeline stage's received activations would
+then hold garbage (NaN, denormals that slow a CPU down, losses that refuse them). Here
+this rank's values stand in for its peers': an all-gather copies its own shard into
+every slot, a reduce-scatter keeps its own chunk, a reduction keeps its own values, a
+receive keeps what its buffer held, a scatter from another rank gives zeros. The maths
+is not the strategy's; the work and the shapes are.
+"""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+from torch._C._distributed_c10d import _create_work_from_future
+from torch.futures import Future
+
+BACKEND = "parabench_local"
+
+
+def _done(result) -> dist.Work:
+    fut: Future = Future()
+    fut.set_result(result)
+    return _create_work_from_future(fut)
+
+
+class LocalGroup(dist.ProcessGroup):
+    """The backend of a `parabench_local` group (dist.new_group(backend=BACKEND)).
+    Method names are those c10d calls on a Python backend, old and new."""
+
+    def __init__(self, rank: int, size: int) -> None:
+        super().__init__(rank, size)
+        self._rank, self._size = rank, size
+
+    def size(self) -> int:
+        return self._size
+
+    def getBackendName(self) -> str:
+        return BACKEND
+
+    @property
+    def group_name(self) -> str:
+        return dist.distributed_c10d._world.pg_names[self]
+
+    # Reductions and broadcasts: this rank's values stand for the result.
+    def allreduce(self, tensors, opts=None):
+        return _done(tensors)
+
+    allreduce_coalesced = allreduce
+
+    def broadcast(self, tensors, opts=None):
+        return _done(tensors)
+
+    def barrier(self, opts=None):
+        return _done(None)
+
+    # Gathers: this rank's piece in every slot.
+    def allgather(self, outputs, inputs, opts=None):
+        for outs, inp in zip(outputs, inputs, strict=True):
+            for o in outs:
+                o.copy_(inp)
+        return _done(outputs)
+
+    def _allgather_base(self, output, input, opts=None):
+        for o in output.chunk(self._size):
+            o.copy_(input.view_as(o))
+        return _done(output)
+
+    all_gather_single = _allgather_base
+
+    def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
+        for o, i in zip(outputs, inputs, strict=True):
+            self._allgather_base(o, i)
+        return _done(outputs)
+
+    all_gather_single_coalesced = allgather_into_tensor_coalesced
+
+    # Scatters: this rank's chunk; from another rank, zeros (finite, of the right shape).
+    def reduce_scatter(self, outputs, inputs, opts=None):
+        for o, ins in zip(outputs, inputs, strict=True):
+            o.copy_(ins[self._rank])
+        return _done(outputs)
+
+    def _reduce_scatter_base(self, output, input, opts=None):
+        output.copy_(input.chunk(self._size)[self._rank].view_as(output))
+        return _done(output)
+
+    reduce_scatter_single = _reduce_scatter_base
+
+    def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
+        for o, i in zip(outputs, inputs, strict=True):
+            self._reduce_scatter_base(o, i)
+        return _done(outputs)
+
+    reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced
+
+    def scatter(self, outputs, inputs, opts=None):
+        for o in outputs:
+            o.copy_(inputs[0][self._rank]) if inputs else o.zero_()
+        return _done(outputs)
+
+    def alltoall_base(self, output, input, out_splits, in_splits, opts=None):
+        output.copy_(input)
+        return _done(output)
+
+    all_to_all_single = alltoall_base
+
+    # Point to point: nothing sent; a receive keeps what its buffer held.
+    def send(self, tensors, dst, tag):
+        return _done(None)
+
+    def recv(self, tensors, src, tag):
+        return _done(tensors)
+
+
+def _create(store, rank: int, size: int, timeout) -> LocalGroup:
+    return LocalGroup(rank, size)
+
+
+dist.Backend.register_backend(BACKEND, _create, devices=["cpu", "cuda"])
+
+
+def local_group() -> dist.ProcessGroup:
+    """A group of every rank over this backend. Collective: every rank calls it."""
+    return dist.new_group(backend=BACKEND)
+
+
+def used(group: dist.ProcessGroup | None) -> bool:
+    """Whether `group` is a no-communication group."""
+    return group is not None and dist.get_backend(group) == BACKEND
