@@ -32,6 +32,7 @@ include: "workflow/rules/common.smk"
 include: "workflow/rules/benchmark.smk"
 include: "workflow/rules/aggregate.smk"
 include: "workflow/rules/report.smk"
+include: "workflow/rules/plan.smk"
 
 
 rule all:
@@ -39,3 +40,4 @@ rule all:
     input:
         f"{RESULTS}/summary.csv",
         f"{RESULTS}/report.html",
+        f"{RESULTS}/plan.csv" if config["plan"]["enabled"] else [],

@@ -18,9 +18,10 @@ from parabench.spec import RunSpec
 MAX_CPU_DEVICES = 64
 
 
-def problems(spec: RunSpec) -> list[str]:
-    """Every broken rule, each naming the key at fault. Empty means valid."""
-    out = _settings(spec)
+def problems(spec: RunSpec, launching: bool = True) -> list[str]:
+    """Every broken rule, each naming the key at fault. Empty means valid. `launching`
+    False: a rank planned at a world size (plan.py), whose other ranks never start."""
+    out = _settings(spec, launching)
     if out:
         return out
     facts = models.facts(spec.model)
@@ -30,7 +31,7 @@ def problems(spec: RunSpec) -> list[str]:
     return out + _combination(spec, facts)
 
 
-def _settings(spec: RunSpec) -> list[str]:
+def _settings(spec: RunSpec, launching: bool) -> list[str]:
     """Each setting on its own."""
     out: list[str] = []
     if spec.strategy not in STRATEGIES:
@@ -61,7 +62,7 @@ def _settings(spec: RunSpec) -> list[str]:
             out.append(f"{key}: must be a finite number, got {value}")
     if spec.timeout_s <= 0:
         out.append(f"timeout_s: must be > 0, got {spec.timeout_s}")
-    if spec.device == "cpu" and spec.devices > MAX_CPU_DEVICES:
+    if launching and spec.device == "cpu" and spec.devices > MAX_CPU_DEVICES:
         out.append(
             f"devices: {spec.devices} on device cpu means {spec.devices} processes on one "
             f"machine; at most {MAX_CPU_DEVICES}"

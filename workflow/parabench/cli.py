@@ -80,6 +80,18 @@ def _parser() -> argparse.ArgumentParser:
     cmp.add_argument("--force", action="store_true", help="compare runs that differ")
     cmp.add_argument("--templates", type=Path, help="the report/ directory")
 
+    pln = sub.add_parser("plan", help="one real rank at world sizes beyond this machine: plan.csv")
+    pln.add_argument("config", type=Path, nargs="?", help="a workflow config file")
+    pln.add_argument("--config-json", default="", help="the workflow config, as JSON")
+    pln.add_argument(
+        "--fabric",
+        help="curves, a named profile or an nccl-tests output file (default: the config's)",
+    )
+    pln.add_argument(
+        "--collectives", type=Path, help="collectives.csv, for fabric curves (default: results')"
+    )
+    pln.add_argument("--out", type=Path, required=True, help="directory for plan.csv")
+
     swp = sub.add_parser("sweep", help="run a whole config without Snakemake, then report")
     swp.add_argument("config", type=Path, help="a workflow config file (config/*.yaml)")
     swp.add_argument("--results", help="results directory (overrides the config's)")
@@ -125,6 +137,8 @@ def main(argv: list[str] | None = None) -> int:
         )
     if args.command == "compare":
         return _compare(args)
+    if args.command == "plan":
+        return _plan(args)
     if args.command == "sweep":
         from parabench.sweep import main as sweep
 
@@ -192,4 +206,42 @@ def _compare(args: argparse.Namespace) -> int:
     for verdict, n in table["verdict"].value_counts().items():
         print(f"{verdict}: {n} cells")
     print(f"comparison: {args.out} and {csv_out}")
+    return 0
+
+
+def _plan(args: argparse.Namespace) -> int:
+    import json
+
+    import pandas as pd
+
+    from parabench.config import ConfigError, checked, load_config, plan_problems
+    from parabench.fabric import FabricError, resolve
+
+    try:
+        if args.config:
+            config = load_config(args.config)
+        elif args.config_json:
+            config = checked(json.loads(args.config_json))
+        else:
+            raise ConfigError("parabench plan needs a config file or --config-json")
+        if args.fabric:
+            config["plan"]["fabric"] = args.fabric
+        if found := plan_problems(config, Path.cwd()):
+            raise ConfigError("; ".join(found))
+        path = args.collectives or Path(config["results"]) / "collectives.csv"
+        curves = pd.read_csv(path) if path.is_file() else None
+        if config["plan"]["fabric"] == "curves" and curves is None:
+            raise ConfigError(
+                f"plan.fabric: curves needs the collectives benchmark's {path} "
+                "(run the sweep first, or name another fabric with --fabric)"
+            )
+        fabric = resolve(config["plan"]["fabric"], curves)
+        here = resolve("curves", curves) if curves is not None and len(curves) else None
+    except (ConfigError, FabricError) as e:
+        print(f"parabench plan: {e}", file=sys.stderr)
+        return 2
+    from parabench.plan import run_plan
+
+    run_plan(config, fabric, args.out, here)
+    print(f"plan: {args.out / 'plan.csv'} (fabric {fabric.name})")
     return 0

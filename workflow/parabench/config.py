@@ -17,6 +17,7 @@ import yaml
 
 from parabench import checks
 from parabench.catalog import CATALOG, STRATEGIES, device_counts
+from parabench.fabric import PROFILES
 from parabench.spec import ModelSpec, RunSpec
 
 SCHEMA = Path(__file__).resolve().parents[1] / "schemas" / "config.schema.yaml"
@@ -187,6 +188,7 @@ def problems(config: dict, workdir: Path | None = None) -> list[str]:
     for s in config.get("options") or {}:
         if s not in CATALOG:
             out.append(f"options.{s}: not a strategy; known: {list(STRATEGIES)}")
+    out += plan_problems(config, workdir)
     if out:
         return out
     # A rule broken by every cell (warmup >= steps) is said once; one broken by some
@@ -208,6 +210,35 @@ def problems(config: dict, workdir: Path | None = None) -> list[str]:
         res = (workdir / config["results"]).resolve()
         if not res.is_relative_to(workdir.resolve()):
             out.append(f"results: {config['results']!r} lies outside the working directory")
+    return out
+
+
+def plan_problems(config: dict, workdir: Path | None = None) -> list[str]:
+    """The plan's keys: its models and strategies exist, its fabric can be found."""
+    plan = config.get("plan") or {}
+    if not plan.get("enabled"):
+        return []
+    out = []
+    for m in plan.get("models") or []:
+        if m not in config["models"]:
+            out.append(
+                f"plan.models: {m!r} is not a model of this config ({list(config['models'])})"
+            )
+    for s in plan.get("strategies") or []:
+        if s not in STRATEGIES:
+            out.append(f"plan.strategies: unknown strategy {s!r}; known: {list(STRATEGIES)}")
+    fabric = plan.get("fabric", "curves")
+    if fabric == "curves" and not collective_devices(config):
+        out.append(
+            "plan.fabric: curves needs a collectives benchmark, and no cell of this config "
+            "runs more than one rank: name a profile or an nccl-tests output file"
+        )
+    known = ("curves", *PROFILES)
+    if fabric not in known and not (Path(workdir or ".") / fabric).is_file():
+        out.append(
+            f"plan.fabric: {fabric!r} is neither {', '.join(known)} nor an existing "
+            "nccl-tests output file"
+        )
     return out
 
 

@@ -12,10 +12,19 @@ this rank's values stand in for its peers': an all-gather copies its own shard i
 every slot, a reduce-scatter keeps its own chunk, a reduction keeps its own values, a
 receive keeps what its buffer held, a scatter from another rank gives zeros. The maths
 is not the strategy's; the work and the shapes are.
+
+c10d calls a Python group's methods directly, past the dispatcher, so the profiler sees
+none of these collectives: the group counts them itself while `counting` is on (what a
+planned rank would send, plan.py), in the anatomy's units (anatomy.volume: calls, and
+bytes as nccl-tests sizes them: the gathered output, the input to reduce).
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
+import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import _create_work_from_future
 from torch.futures import Future
@@ -36,6 +45,13 @@ class LocalGroup(dist.ProcessGroup):
     def __init__(self, rank: int, size: int) -> None:
         super().__init__(rank, size)
         self._rank, self._size = rank, size
+        self.tally: dict[str, dict[str, float]] | None = None  # on while `counting`
+
+    def _count(self, op: str, tensors: list[torch.Tensor]) -> None:
+        if self.tally is not None:
+            entry = self.tally.setdefault(op, {"count": 0.0, "bytes": 0.0})
+            entry["count"] += 1
+            entry["bytes"] += float(sum(t.numel() * t.element_size() for t in tensors))
 
     def size(self) -> int:
         return self._size
@@ -49,11 +65,13 @@ class LocalGroup(dist.ProcessGroup):
 
     # Reductions and broadcasts: this rank's values stand for the result.
     def allreduce(self, tensors, opts=None):
+        self._count("all_reduce", tensors)
         return _done(tensors)
 
     allreduce_coalesced = allreduce
 
     def broadcast(self, tensors, opts=None):
+        self._count("broadcast", tensors)
         return _done(tensors)
 
     def barrier(self, opts=None):
@@ -61,40 +79,52 @@ class LocalGroup(dist.ProcessGroup):
 
     # Gathers: this rank's piece in every slot.
     def allgather(self, outputs, inputs, opts=None):
+        self._count("all_gather", [o for outs in outputs for o in outs])
         for outs, inp in zip(outputs, inputs, strict=True):
             for o in outs:
                 o.copy_(inp)
         return _done(outputs)
 
-    def _allgather_base(self, output, input, opts=None):
+    def _gather_into(self, output, input) -> None:
         for o in output.chunk(self._size):
             o.copy_(input.view_as(o))
+
+    def _allgather_base(self, output, input, opts=None):
+        self._count("all_gather", [output])
+        self._gather_into(output, input)
         return _done(output)
 
     all_gather_single = _allgather_base
 
     def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
+        self._count("all_gather", outputs)
         for o, i in zip(outputs, inputs, strict=True):
-            self._allgather_base(o, i)
+            self._gather_into(o, i)
         return _done(outputs)
 
     all_gather_single_coalesced = allgather_into_tensor_coalesced
 
     # Scatters: this rank's chunk; from another rank, zeros (finite, of the right shape).
     def reduce_scatter(self, outputs, inputs, opts=None):
+        self._count("reduce_scatter", [i for ins in inputs for i in ins])
         for o, ins in zip(outputs, inputs, strict=True):
             o.copy_(ins[self._rank])
         return _done(outputs)
 
-    def _reduce_scatter_base(self, output, input, opts=None):
+    def _scatter_from(self, output, input) -> None:
         output.copy_(input.chunk(self._size)[self._rank].view_as(output))
+
+    def _reduce_scatter_base(self, output, input, opts=None):
+        self._count("reduce_scatter", [input])
+        self._scatter_from(output, input)
         return _done(output)
 
     reduce_scatter_single = _reduce_scatter_base
 
     def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
+        self._count("reduce_scatter", inputs)
         for o, i in zip(outputs, inputs, strict=True):
-            self._reduce_scatter_base(o, i)
+            self._scatter_from(o, i)
         return _done(outputs)
 
     reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced
@@ -105,6 +135,7 @@ class LocalGroup(dist.ProcessGroup):
         return _done(outputs)
 
     def alltoall_base(self, output, input, out_splits, in_splits, opts=None):
+        self._count("all_to_all", [input])
         output.copy_(input)
         return _done(output)
 
@@ -112,9 +143,11 @@ class LocalGroup(dist.ProcessGroup):
 
     # Point to point: nothing sent; a receive keeps what its buffer held.
     def send(self, tensors, dst, tag):
+        self._count("send", tensors)
         return _done(None)
 
     def recv(self, tensors, src, tag):
+        self._count("recv", tensors)
         return _done(tensors)
 
 
@@ -133,3 +166,15 @@ def local_group() -> dist.ProcessGroup:
 def used(group: dist.ProcessGroup | None) -> bool:
     """Whether `group` is a no-communication group."""
     return group is not None and dist.get_backend(group) == BACKEND
+
+
+@contextlib.contextmanager
+def counting(group: dist.ProcessGroup) -> Iterator[dict[str, dict[str, float]]]:
+    """The collectives issued over `group` (a LocalGroup) inside the block: per op,
+    calls and bytes."""
+    assert isinstance(group, LocalGroup), f"{group} is not a {BACKEND} group"
+    group.tally = {}
+    try:
+        yield group.tally
+    finally:
+        group.tally = None

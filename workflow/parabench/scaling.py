@@ -116,9 +116,7 @@ def predict(summary: pd.DataFrame, curves: pd.DataFrame, variant_keys: list[str]
             # one rank's share relative to the whole, measured back to back
             per_rank = own["step_time_s"] * rank_step(reference, n) / rank_step(reference, 1)
             compute = per_rank * max(1.0, row["ranks_per_core"])
-        bubble = 0.0
-        if rec.pipelined:
-            bubble = compute * (n - 1) / options(row).get("microbatches", 1)
+        bubble = bubble_time(rec, compute, n, options(row))
         comm = comm_time(row["comm_by_op"], curves, n)
         predicted = compute + bubble + comm
         error = predicted / row["step_time_s"] - 1
@@ -135,6 +133,31 @@ def predict(summary: pd.DataFrame, curves: pd.DataFrame, variant_keys: list[str]
     for c in COLUMNS[:5]:
         out[c] = out[c].astype(float)
     return out
+
+
+def bubble_time(rec, compute: float, n: int, settings: dict) -> float:
+    """A pipeline's bubble: (n-1)/m of a stage's compute (m micro-batches through n
+    stages take m + n - 1 slots, n - 1 of them idle); 0 for the other strategies."""
+    if not rec.pipelined or n < 2:
+        return 0.0
+    return compute * (n - 1) / settings.get("microbatches", 1)
+
+
+def against_measured(plan: pd.DataFrame, summary: pd.DataFrame) -> pd.DataFrame:
+    """The plan's check rows (one planned rank at a device count this sweep measured)
+    beside the measured cell of the same model, strategy and count (its first
+    variant): predicted, measured and the error."""
+    rows = plan[(plan["kind"] == "check") & (plan["status"] == "ok")]
+    ok = summary[summary["status"] == "ok"].drop_duplicates(["model", "strategy", "devices"])
+    merged = rows.merge(
+        ok[["model", "strategy", "devices", "step_time_s"]],
+        left_on=["model", "strategy", "world_size"],
+        right_on=["model", "strategy", "devices"],
+    )
+    merged["plan_error"] = merged["predicted_step_s"] / merged["step_time_s"] - 1
+    return merged[
+        ["model", "strategy", "world_size", "predicted_step_s", "step_time_s", "plan_error"]
+    ]
 
 
 def error_table(summary: pd.DataFrame) -> dict:

@@ -10,6 +10,7 @@ on a cluster (scheduling, job groups, Slurm).
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -41,11 +42,12 @@ def _done(meta: Path, config_hash: str) -> bool:
         return False
 
 
-def _logged(argv: list[str], log: Path) -> None:
-    """Run `argv` with its output in `log` (the launch writes its command first)."""
+def _logged(argv: list[str], log: Path) -> int:
+    """Run `argv` with its output in `log` (the launch writes its command first);
+    returns its exit code."""
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "w") as f:
-        subprocess.run(argv, stdout=f, stderr=subprocess.STDOUT, check=False)
+        return subprocess.run(argv, stdout=f, stderr=subprocess.STDOUT, check=False).returncode
 
 
 def sweep(config: dict, workdir: Path, force: bool = False) -> Path:
@@ -89,8 +91,26 @@ def sweep(config: dict, workdir: Path, force: bool = False) -> Path:
         _logged(argv, log)
         print(f"collectives at {n} ranks: {log}", flush=True)
 
-    from parabench.aggregate import aggregate
+    if config["plan"]["enabled"]:
+        # After the collectives (the fabric `curves` and the check rows read them); in a
+        # process of its own, as a cell is, so this one never imports torch.
+        curves = ["--collectives", str(results / "collectives.csv")]
+        _aggregate(config, results, metas, benches)
+        (results / "plan.csv").unlink(missing_ok=True)  # never a stale plan in the report
+        argv = [sys.executable, "-m", "parabench", "plan", "--config-json", json.dumps(config)]
+        log = results / "logs" / "plan.log"
+        code = _logged([*argv, *curves, "--out", str(results)], log)
+        print(f"plan: {results / 'plan.csv'}" if code == 0 else f"plan failed: {log}", flush=True)
+
+    _aggregate(config, results, metas, benches)
     from parabench.report import TEMPLATES, render
+
+    render(results, TEMPLATES, config, results / "report.html")
+    return results / "report.html"
+
+
+def _aggregate(config: dict, results: Path, metas: list[Path], benches: list[Path]) -> None:
+    from parabench.aggregate import aggregate
 
     aggregate(
         metas,
@@ -100,8 +120,6 @@ def sweep(config: dict, workdir: Path, force: bool = False) -> Path:
         benches,
         results / "collectives.csv",
     )
-    render(results, TEMPLATES, config, results / "report.html")
-    return results / "report.html"
 
 
 def main(config_path: Path, results: str | None, devices: str | None, force: bool) -> int:

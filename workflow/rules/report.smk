@@ -10,6 +10,7 @@ rule report:
         cells=f"{RESULTS}/cells.csv",
         steps=f"{RESULTS}/steps.csv",
         collectives=f"{RESULTS}/collectives.csv",
+        plan=f"{RESULTS}/plan.csv" if config["plan"]["enabled"] else [],
         templates=sorted(str(p) for p in (REPO / "report").rglob("*") if p.is_file()),
     output:
         html=report(

@@ -21,6 +21,8 @@ import yaml
 
 from parabench import equivalence, scaling
 from parabench.catalog import CATALOG, LABELS, STRATEGIES
+from parabench.fabric import PROFILES
+from parabench.published import torchtitan_check
 from parabench.report.figures import plots
 from parabench.report.loading import Results, row_anchor, rows
 from parabench.report.prose import comm_words, environment, headlines, outcome, why
@@ -48,6 +50,9 @@ def build_context(r: Results, config: dict) -> dict:
         ],
         "checks": _checks(s[s["status"] == "ok"]),
         "model_error": scaling.error_table(s),
+        "at_scale": at_scale(r, config),
+        "plan_wanted": bool((config.get("plan") or {}).get("enabled")),
+        "torchtitan": torchtitan_check(PROFILES["h100-nvlink-ndr400"]),
         # the curves at the largest message measured (64 MiB by default)
         "collectives_largest": rows(
             r.collectives[r.collectives["bytes"] == r.collectives["bytes"].max()]
@@ -76,6 +81,46 @@ def build_context(r: Results, config: dict) -> dict:
         "n_ok": int((r.cells["status"] == "ok").sum()),
         "timed_steps": int((r.steps["phase"] == "timed").sum()) if len(r.steps) else 0,
         "plots": plots(r),
+    }
+
+
+def at_scale(r: Results, config: dict) -> dict | None:
+    """The plan (plan.csv): its rows, where each strategy fits, and its check rows
+    against the measured cells with their mean absolute error."""
+    p = r.plan
+    if p.empty or not (config.get("plan") or {}).get("enabled"):
+        return None
+    scale = p[p["kind"] == "scale"]
+    ok = scale[scale["status"] == "ok"]
+    fit = []
+    for (model, strat), g in ok.groupby(["model", "strategy"], sort=False):
+        g = g.sort_values("world_size")
+        yes = g.loc[g["fits"] == True, "world_size"].tolist()  # noqa: E712 (None: unknown)
+        no = g.loc[g["fits"] == False, "world_size"].tolist()  # noqa: E712
+        name = f"{model}, {LABELS.get(strat, strat)}"
+        if not no:
+            fit.append(
+                f"{name}: fits one device's memory at every planned N ({', '.join(map(str, yes))})"
+            )
+        elif not yes:
+            fit.append(f"{name}: does not fit one device's memory at any planned N")
+        else:
+            fit.append(
+                f"{name}: fits at N = {', '.join(map(str, yes))}; does not at "
+                f"N = {', '.join(map(str, no))}"
+            )
+    check = scaling.against_measured(p, r.summary)
+    fabric = p["fabric"].dropna()
+    source = p["fabric_source"].dropna()
+    return {
+        "rows": rows(scale),
+        "fit_sentences": fit,
+        "scaling": ", ".join(sorted(set(scale["scaling"].dropna()))),
+        "fabric": fabric.iloc[0] if len(fabric) else "",
+        "fabric_source": source.iloc[0] if len(source) else "",
+        "check": rows(check),
+        "check_sizes": sorted(set(p.loc[p["kind"] == "check", "world_size"])),
+        "check_error": float(check["plan_error"].abs().mean()) if len(check) else None,
     }
 
 

@@ -184,6 +184,8 @@ def plots(r: Results) -> dict[str, str]:
     out.update(anatomy_plots(ok, palette, order))
     if not r.collectives.empty:
         out["collectives"] = collective_curves(r.collectives)
+    if not r.plan.empty and (plan := plan_plots(r.plan)):
+        out["plan"] = plan
     return out
 
 
@@ -278,3 +280,26 @@ def collective_curves(curves: pd.DataFrame) -> str:
     g.set_axis_labels("message size (MiB)", "bus bandwidth (GB/s)")
     g.set_titles("Collectives — {col_name} (" + str(curves["backend"].iloc[0]) + ")")
     return _png(g.figure)
+
+
+def plan_plots(plan: pd.DataFrame) -> str:
+    """The planned worlds: predicted step and memory per rank against N, per strategy
+    (log-log); memory measured, time predicted."""
+    ok = plan[(plan["status"] == "ok") & (plan["kind"] == "scale")]
+    if ok.empty:
+        return ""
+    data = ok.assign(peak_MiB=ok["peak_memory_bytes"] / 2**20, step_ms=ok["predicted_step_s"] * 1e3)
+    fig, axes = plt.subplots(1, 2, figsize=(10.4, 3.8))
+    for ax, (y, label) in zip(
+        axes,
+        (("step_ms", "predicted step (ms)"), ("peak_MiB", "measured peak per rank (MiB)")),
+        strict=True,
+    ):
+        sns.lineplot(
+            data=data, x="world_size", y=y, hue="strategy", style="model", marker="o", ax=ax
+        )
+        ax.set(xscale="log", yscale="log", xlabel="world size N", ylabel=label)
+    axes[0].get_legend().remove()
+    sns.move_legend(axes[1], "upper left", bbox_to_anchor=(1.01, 1), frameon=False)
+    fig.suptitle(f"At scale — fabric: {ok['fabric'].iloc[0]}")
+    return _png(fig)

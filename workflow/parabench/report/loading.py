@@ -17,6 +17,7 @@ class Results:
     cells: pd.DataFrame
     steps: pd.DataFrame
     collectives: pd.DataFrame  # empty when no benchmark ran (no multi-rank cell)
+    plan: pd.DataFrame  # empty when no plan ran (plan.enabled false)
 
     @classmethod
     def load(cls, results: Path) -> Results:
@@ -25,7 +26,9 @@ class Results:
             t["panel"] = panel_labels(t)
         path = results / "collectives.csv"
         curves = pd.read_csv(path) if path.exists() else pd.DataFrame()
-        return cls(*tables, curves)
+        planned = results / "plan.csv"
+        plan = pd.read_csv(planned) if planned.exists() else pd.DataFrame()
+        return cls(*tables, curves, plan)
 
 
 def panel_labels(df: pd.DataFrame) -> pd.Series:

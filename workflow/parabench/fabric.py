@@ -1,0 +1,215 @@
+"""A fabric: what one collective of S bytes costs at N ranks, for planning past the
+devices at hand (plan.py). Torch-free.
+
+Every source speaks nccl-tests' bus bandwidth: busbw = algbw x the op's factor (ops.py:
+2(N-1)/N for all-reduce, (N-1)/N for all-gather and reduce-scatter, 1 for point to
+point), the figure nccl-tests defines to reflect the links' speed whatever the op and
+the rank count. One call of `op` then takes
+
+    t(op, N, S) = latency + S x factor(op, N) / busbw(S)
+
+Three sources, each named with where its numbers come from:
+- `curves`: this machine's collectives benchmark (collectives.csv). At a measured rank
+  count the measured time itself; beyond it, the largest measured count's busbw.
+- an nccl-tests output file: the text `all_reduce_perf` (or any `*_perf`) prints, as it
+  stands: its out-of-place busbw per size (each row's time, latency included).
+- a named profile (PROFILES): two levels, within a node and across nodes, from
+  published figures, for N beyond one node.
+
+What none of them models: latency growing with N (a ring's 2(N-1) steps; NCCL switches
+to trees and NVLS at scale), and contention between jobs. At the message sizes training
+sends (megabytes and up) bandwidth dominates.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from parabench.ops import OPS
+
+
+class FabricError(ValueError):
+    """A fabric that cannot be used, with why (and where, for a file)."""
+
+
+def factor(op: str, n: int) -> float:
+    """nccl-tests' bus factor of `op` at n ranks (1 for point to point)."""
+    return 1.0 if op in ("send", "recv") else OPS[op].bus_factor(n)
+
+
+@dataclass(frozen=True)
+class BusbwTable:
+    """busbw by message size (log-log between sizes, flat beyond them), and a latency."""
+
+    sizes: tuple[float, ...]
+    busbw: tuple[float, ...]  # bytes/s
+    latency_s: float
+
+    def at(self, nbytes: float) -> float:
+        x, y = np.log(self.sizes), np.log(self.busbw)
+        return float(np.exp(np.interp(math.log(max(nbytes, 1.0)), x, y)))
+
+    def time(self, op: str, n: int, nbytes: float) -> float:
+        if n < 2 or not nbytes:
+            return 0.0
+        size = max(nbytes, self.sizes[0])  # below the smallest size: its time (latency)
+        return self.latency_s + size * factor(op, n) / self.at(size)
+
+
+@dataclass(frozen=True)
+class Fabric:
+    """A source of collective times: `time(op, n, nbytes)` seconds per call."""
+
+    name: str
+    source: str  # where the numbers come from, for the report
+    tables: dict  # level or (op curve, n) -> BusbwTable
+    gpus_per_node: int = 0  # two-level profiles: ranks within a node
+
+    def time(self, op: str, n: int, nbytes: float) -> float:
+        if n < 2 or not nbytes:
+            return 0.0
+        if self.gpus_per_node:
+            level = "intra" if n <= self.gpus_per_node else "inter"
+            return self.tables[level].time(op, n, nbytes)
+        if "any" in self.tables:  # one table for every op (nccl-tests)
+            return self.tables["any"].time(op, n, nbytes)
+        curve = OPS[op].curve if op in OPS else "send_recv"
+        counts = sorted(k[1] for k in self.tables if k[0] == curve)
+        if not counts:
+            return float("nan")
+        # the measured count itself, or the largest one below n (else the smallest)
+        below = [c for c in counts if c <= n]
+        return self.tables[(curve, below[-1] if below else counts[0])].time(op, n, nbytes)
+
+    def step_comm(self, comm_by_op: dict[str, dict[str, float]], n: int) -> float:
+        """Seconds per step of the collectives a rank issued (count and bytes per op)."""
+        return sum(
+            v["count"] * self.time(op, n, v["bytes"] / v["count"])
+            for op, v in comm_by_op.items()
+            if v.get("count")
+        )
+
+
+def from_curves(curves: pd.DataFrame, label: str = "this machine") -> Fabric:
+    """The collectives benchmark's curves (collectives.csv's columns)."""
+    if curves.empty:
+        raise FabricError("no collective curves were measured (collectives.csv is empty)")
+    tables = {}
+    for (op, n), c in curves.groupby(["op", "devices"]):
+        c = c.sort_values("bytes")
+        busbw = c["busbw_GBps"].to_numpy(float) * 1e9
+        if (busbw <= 0).any():
+            continue
+        # the measured times at this n, exactly: latency folded into busbw, none added
+        tables[(op, int(n))] = BusbwTable(tuple(c["bytes"]), tuple(busbw), 0.0)
+    if not tables:
+        raise FabricError("collectives.csv has no curve with a positive bus bandwidth")
+    backend = ", ".join(sorted(set(curves.get("backend", pd.Series(["?"])).astype(str))))
+    counts = sorted({int(n) for n in curves["devices"]})
+    return Fabric(
+        "curves",
+        f"{label}'s collectives benchmark ({backend}, measured at n = "
+        f"{', '.join(map(str, counts))}; beyond {counts[-1]} its busbw, held constant)",
+        tables,
+    )
+
+
+_ROW = re.compile(r"^\s*\d+\s+\d+\s+\S+\s+\S+\s+-?\d+\s")
+
+
+def parse_nccl_tests(path: Path) -> Fabric:
+    """An nccl-tests output file (the text `all_reduce_perf -b 8 -e 8G -f 2` prints).
+    Its rows are `size count type redop root time algbw busbw #wrong` out of place,
+    then the same in place; the ranks are its `#  Rank` lines. Refused, with the line,
+    when a row does not read, a busbw is not positive, or a size repeats."""
+    text = Path(path).read_text(errors="replace").splitlines()
+    ranks = sum(1 for line in text if re.match(r"^#\s+Rank\s+\d+", line))
+    sizes, busbw = [], []
+    for i, line in enumerate(text, 1):
+        if line.lstrip().startswith("#") or not line.strip() or "NCCL INFO" in line:
+            continue
+        if not _ROW.match(line):
+            raise FabricError(
+                f"{path}:{i}: not an nccl-tests result row (size count type redop root "
+                f"time algbw busbw #wrong ...): {line.strip()[:80]!r}"
+            )
+        cols = line.split()
+        try:
+            size, bw = int(cols[0]), float(cols[7])
+            float(cols[5])  # the time: a row whose time is not a number is not a row
+        except (ValueError, IndexError):
+            raise FabricError(f"{path}:{i}: size, time or busbw is not a number") from None
+        if sizes and size <= sizes[-1]:
+            raise FabricError(f"{path}:{i}: size {size} after {sizes[-1]}: sizes must grow")
+        if bw > 0:  # the smallest sizes round to 0.00 GB/s: their time still counts
+            sizes.append(size)
+            busbw.append(bw * 1e9)
+    if len(sizes) < 2:
+        raise FabricError(
+            f"{path}: fewer than two result rows with a positive busbw: not the output of "
+            "an nccl-tests *_perf run (e.g. all_reduce_perf -b 8 -e 1G -f 2)"
+        )
+    if ranks < 2:
+        raise FabricError(
+            f"{path}: {ranks} '#  Rank' line(s): a bandwidth needs at least two ranks "
+            "(nccl-tests lists each under '# Using devices')"
+        )
+    test = re.search(r"(\w+)_perf", "\n".join(text))
+    what = f"{test.group(1)}_perf" if test else "nccl-tests"
+    return Fabric(
+        "nccl-tests",
+        f"{Path(path).name}: {what} at {ranks} ranks, busbw {min(busbw) / 1e9:.1f} to "
+        f"{max(busbw) / 1e9:.1f} GB/s",
+        # latency is in every row's time already (busbw = size x factor / time): none added
+        {"any": BusbwTable(tuple(sizes), tuple(busbw), 0.0)},
+    )
+
+
+def level(busbw_gbps: float, latency_us: float) -> BusbwTable:
+    """One level of a profile: a bus bandwidth (GB/s) at every size, and a latency."""
+    return BusbwTable((1.0, 2.0), (busbw_gbps * 1e9,) * 2, latency_us * 1e-6)
+
+
+# Named profiles: two levels, each from published figures (the sources say which).
+PROFILES: dict[str, Fabric] = {
+    "h100-nvlink-ndr400": Fabric(
+        "h100-nvlink-ndr400",
+        "8x H100 SXM per node over NVLink 4, nodes over InfiniBand NDR 400 Gb/s per GPU: "
+        "busbw 460 GB/s within a node (nccl-tests all_reduce_perf on 8x H100 SXM5: "
+        "460-480 GB/s at large sizes), 400 GB/s across nodes (H100 SXM with NVLink and "
+        "IB NDR: 400-450 GB/s), latency 15 and 30 us (approximate)",
+        {"intra": level(460, 15), "inter": level(400, 30)},
+        gpus_per_node=8,
+    ),
+    "a100-nvlink-hdr200": Fabric(
+        "a100-nvlink-hdr200",
+        "8x A100 SXM4 per node over NVLink 3, nodes over InfiniBand HDR 200 Gb/s per GPU: "
+        "busbw 230 GB/s within a node (nccl-tests: 230-250 GB/s), 185 GB/s across nodes "
+        "(about 8 x 25 GB/s less protocol overhead), latency 15 and 30 us (approximate)",
+        {"intra": level(230, 15), "inter": level(185, 30)},
+        gpus_per_node=8,
+    ),
+}
+
+
+def resolve(name_or_file: str, curves: pd.DataFrame | None = None) -> Fabric:
+    """`curves`, a profile's name, or an nccl-tests output file."""
+    if name_or_file == "curves":
+        if curves is None:
+            raise FabricError("fabric 'curves' needs the collectives benchmark's curves")
+        return from_curves(curves)
+    if name_or_file in PROFILES:
+        return PROFILES[name_or_file]
+    path = Path(name_or_file)
+    if path.is_file():
+        return parse_nccl_tests(path)
+    raise FabricError(
+        f"fabric {name_or_file!r}: neither 'curves', a named profile "
+        f"({', '.join(PROFILES)}) nor an nccl-tests output file"
+    )
