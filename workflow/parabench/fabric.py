@@ -23,15 +23,17 @@ sends (megabytes and up) bandwidth dominates.
 
 from __future__ import annotations
 
+import bisect
 import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
-
-import numpy as np
-import pandas as pd
+from typing import TYPE_CHECKING
 
 from parabench.ops import OPS
+
+if TYPE_CHECKING:  # numpy and pandas stay out of planning a workflow (config imports us)
+    import pandas as pd
 
 
 class FabricError(ValueError):
@@ -52,8 +54,15 @@ class BusbwTable:
     latency_s: float
 
     def at(self, nbytes: float) -> float:
-        x, y = np.log(self.sizes), np.log(self.busbw)
-        return float(np.exp(np.interp(math.log(max(nbytes, 1.0)), x, y)))
+        """busbw at `nbytes`: log-log between the sizes, flat beyond them."""
+        s = self.sizes
+        if nbytes <= s[0]:
+            return self.busbw[0]
+        if nbytes >= s[-1]:
+            return self.busbw[-1]
+        i = bisect.bisect_right(s, nbytes)
+        f = math.log(nbytes / s[i - 1]) / math.log(s[i] / s[i - 1])
+        return math.exp((1 - f) * math.log(self.busbw[i - 1]) + f * math.log(self.busbw[i]))
 
     def time(self, op: str, n: int, nbytes: float) -> float:
         if n < 2 or not nbytes:
@@ -103,14 +112,15 @@ def from_curves(curves: pd.DataFrame, label: str = "this machine") -> Fabric:
     tables = {}
     for (op, n), c in curves.groupby(["op", "devices"]):
         c = c.sort_values("bytes")
-        busbw = c["busbw_GBps"].to_numpy(float) * 1e9
-        if (busbw <= 0).any():
+        busbw = [float(b) * 1e9 for b in c["busbw_GBps"]]
+        if min(busbw) <= 0:
             continue
         # the measured times at this n, exactly: latency folded into busbw, none added
-        tables[(op, int(n))] = BusbwTable(tuple(c["bytes"]), tuple(busbw), 0.0)
+        sizes = tuple(float(b) for b in c["bytes"])
+        tables[(op, int(n))] = BusbwTable(sizes, tuple(busbw), 0.0)
     if not tables:
         raise FabricError("collectives.csv has no curve with a positive bus bandwidth")
-    backend = ", ".join(sorted(set(curves.get("backend", pd.Series(["?"])).astype(str))))
+    backend = ", ".join(sorted({str(b) for b in curves["backend"]})) if "backend" in curves else "?"
     counts = sorted({int(n) for n in curves["devices"]})
     return Fabric(
         "curves",

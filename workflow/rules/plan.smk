@@ -16,7 +16,6 @@ rule plan:
         f"{RESULTS}/logs/plan.log",
     conda:
         "../envs/parabench.yaml"
-    threads: workflow.cores
     resources:
         gpu=0 if config["device"] == "cpu" else 1,
         runtime=lambda wc: int(config["cell_timeout_s"] // 60) + 5,
