@@ -41,8 +41,8 @@ class FabricError(ValueError):
 
 
 def factor(op: str, n: int) -> float:
-    """nccl-tests' bus factor of `op` at n ranks (1 for point to point)."""
-    return 1.0 if op in ("send", "recv") else OPS[op].bus_factor(n)
+    """nccl-tests' bus factor of `op` at n ranks (ops.py: 1 for point to point)."""
+    return OPS[op].bus_factor(n)
 
 
 @dataclass(frozen=True)
