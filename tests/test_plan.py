@@ -121,6 +121,19 @@ def test_ddp_at_64_all_reduces_its_gradients_once_per_step():
     assert got["comm_bytes_per_step"] == total  # the gradients' bytes, fp32
 
 
+def test_a_rank_planned_after_others_has_the_peak_it_has_alone():
+    # One process plans every rank; the profiler's running total of CPU bytes is the
+    # process's and once grew by each earlier rank's gradients (DDP at N=8, 64, 1,024
+    # measured 10.0, 13.5, 16.9 MB for the same per-rank work).
+    from parabench.plan import rank_of
+
+    spec = tiny_spec("ddp", 8, scaling="weak")
+    alone = rank_of(spec, threads=1)["peak_memory_bytes"]
+    rank_of(tiny_spec("zero1", 64, scaling="weak"), threads=1)
+    assert rank_of(spec, threads=1)["peak_memory_bytes"] == alone
+    assert alone > _model_bytes()[0]  # replica + gradients at least
+
+
 def test_parabench_plan_writes_a_plan_predicted_with_a_users_nccl_tests(tmp_path):
     config = tiny_config(
         plan={

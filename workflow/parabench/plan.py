@@ -97,8 +97,10 @@ def rank_of(spec: RunSpec, threads: int) -> dict:
     compute step and the collectives it issues (see the module's docstring)."""
     world = spec.devices
     device = torch.device(runtime.resolve_device_type(spec.device))
-    if device.type == "cuda":  # one process plans every rank: each its own peak
-        gc.collect()
+    # One process plans every rank: the last one's leftovers, freed inside this one's
+    # counted step, would lower its peak (CPU) or raise it (CUDA's high-water mark).
+    gc.collect()
+    if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
     dist.init_process_group(nocomm.BACKEND, store=dist.HashStore(), rank=0, world_size=world)

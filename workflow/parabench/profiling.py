@@ -14,11 +14,11 @@ After the plan, one more step (`count`) is recorded in full, with tensor shapes 
 memory: the bytes each collective moves, the CPU memory peak, and a per-op trace for
 Perfetto. It stays out of the anatomy.
 
-Memory on CPU: torch.profiler's memory events carry the allocator's running total of
-bytes allocated since profiling began. What a step needs at its peak is what was
-already held between steps (parameters and optimizer state, counted from the tensors;
-the previous gradients are freed by zero_grad before anything is allocated) plus that
-running total's peak. On CUDA the allocator's own high-water mark says it directly.
+Memory on CPU: torch.profiler's memory events name each block allocated and freed.
+What a step needs at its peak is what was already held between steps (parameters and
+optimizer state, counted from the tensors; the previous gradients are freed by
+zero_grad before anything is allocated) plus the peak of the bytes the step itself
+had allocated and not yet freed. On CUDA the allocator's high-water mark says it.
 """
 
 from __future__ import annotations
@@ -143,13 +143,24 @@ class StepProfiler:
 
 
 def cpu_alloc_peak(events: list[dict]) -> int:
-    """Peak of the CPU allocator's running total in the profiler's memory events."""
-    totals = [
-        e["args"].get("Total Allocated", 0)
-        for e in events
-        if e.get("name") == "[memory]" and e.get("args", {}).get("Device Type") == 0
-    ]
-    return max(totals, default=0)
+    """Peak bytes live at once among the CPU blocks allocated in this session (from
+    the profiler's memory events, by address). Not the events' running total: that is
+    the process's, across its sessions, and falls when a block of an earlier session
+    is freed (one process plans many ranks, plan.py)."""
+    live: dict[int, int] = {}
+    total = peak = 0
+    memory = (e for e in events if e.get("name") == "[memory]")
+    for e in sorted(memory, key=lambda e: e["ts"]):
+        args = e["args"]
+        if args.get("Device Type") != 0:
+            continue
+        if args["Bytes"] > 0:
+            live[args["Addr"]] = args["Bytes"]
+            total += args["Bytes"]
+            peak = max(peak, total)
+        else:
+            total -= live.pop(args["Addr"], 0)
+    return peak
 
 
 def peak_memory(devices: list[torch.device], held: dict[str, int], counted: list[dict]) -> int:
