@@ -46,6 +46,7 @@ bench: $(STAMP)
 	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python benchmarks/pipeline_wall.py
 	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python benchmarks/sharded_overhead.py
 	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python benchmarks/collectives_overhead.py
+	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python benchmarks/launch_overhead.py
 
 gpu-check:
 	PYTHONPATH="$(abspath workflow):$$PYTHONPATH" $(GPU_PYTHON) -m parabench sweep \

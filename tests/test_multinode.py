@@ -63,7 +63,7 @@ def test_srun_and_torchrun_receive_the_multinode_launch(run):
     for line in sruns:
         srun, _, rest = line.partition(" --kill-on-bad-exit=1 ")
         assert srun == "srun --nodes=2 --ntasks-per-node=1", line
-        python, _, torchrun = rest.partition(" -m torch.distributed.run ")
+        python, _, torchrun = rest.partition(" -m parabench.torchrun ")
         assert python.endswith("python"), line
         assert torchrun.startswith(
             "--nnodes=2 --nproc-per-node=2 --rdzv-backend=c10d "

@@ -169,6 +169,27 @@ def main(argv: list[str] | None = None) -> int:
     return 1
 
 
+def preload(argv: list[str]) -> None:
+    """Import what a rank of `parabench <argv>` will import (parabench.torchrun forks
+    its ranks after this): for a cell, its strategy's module and torch._dynamo, which
+    every torch.optim constructor imports on first use. A bad argument is left for
+    the ranks to report, as they would without it."""
+    try:
+        args = _parser().parse_args(argv)
+    except SystemExit:  # argparse has printed why; the ranks will say it again
+        return
+    if args.command == "run":
+        import torch._dynamo  # noqa: F401
+
+        from parabench import cell, strategies  # noqa: F401
+        from parabench.catalog import CATALOG
+
+        if args.strategy in CATALOG:
+            strategies.get(args.strategy)
+    elif args.command == "collectives":
+        from parabench import collectives  # noqa: F401
+
+
 def _run(spec: specs.RunSpec, out: Path) -> int:
     """One process of a cell: checked once here, skipped if the settings say so."""
     from parabench import checks

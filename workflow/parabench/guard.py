@@ -65,9 +65,10 @@ def root_cause(lines: list[str], errors: list[dict], world: int | None) -> str:
     how it died (torchrun's verdict: which rank failed first, exit code or signal)."""
     m = _ROOT.search("\n".join(lines))
     first = int(m.group(1)) if m else None
-    own = [e for e in errors if e.get("rank") == first]
-    if own or (errors and first is None):
-        return records.describe_error((own or errors)[0], world)
+    # The agent names the first failure it noticed; when that rank left an error, the
+    # ranks' own clocks say better which exception came first (errors: earliest first).
+    if errors and (first is None or any(e.get("rank") == first for e in errors)):
+        return records.describe_error(errors[0], world)
     if first is None:
         return ""
     code = int(m.group(2))

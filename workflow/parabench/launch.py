@@ -17,12 +17,15 @@ from pathlib import Path
 
 from parabench.spec import RunSpec
 
+# torchrun with its ranks forked from a warm agent (see parabench.torchrun); it takes
+# torchrun's own arguments.
+TORCHRUN = ["-m", "parabench.torchrun"]
+
 
 def _torchrun(python: str, nproc: int) -> list[str]:
     return [
         python,
-        "-m",
-        "torch.distributed.run",
+        *TORCHRUN,
         "--standalone",
         "--nnodes",
         "1",
@@ -32,7 +35,7 @@ def _torchrun(python: str, nproc: int) -> list[str]:
 
 
 def cell_argv(spec: RunSpec, out: Path | str, python: str = "python") -> list[str]:
-    """`python [-m torch.distributed.run ...] -m parabench run <spec> --out <out>` on
+    """`python [-m parabench.torchrun ...] -m parabench run <spec> --out <out>` on
     one node; across nodes (spec.nodes > 1, several ranks), see `multinode_argv`."""
     head = _torchrun(python, spec.ranks) if spec.ranks > 1 else [python]
     return [*head, "-m", "parabench", "run", *spec.to_argv(), "--out", str(out)]
@@ -56,8 +59,7 @@ def multinode_argv(spec: RunSpec, out: Path | str, python: str = "python") -> li
     srun = ["srun", f"--nodes={spec.nodes}", "--ntasks-per-node=1", "--kill-on-bad-exit=1"]
     torchrun = [
         python,
-        "-m",
-        "torch.distributed.run",
+        *TORCHRUN,
         f"--nnodes={spec.nodes}",
         f"--nproc-per-node={per_node}",
         "--rdzv-backend=c10d",

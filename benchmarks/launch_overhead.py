@@ -1,0 +1,65 @@
+"""What a multi-rank cell's launch costs, forked ranks against torchrun's own (a
+benchmark, not a test).
+
+Launches the same cell of the default config, in turn, as `python -m
+torch.distributed.run ...` (each rank a new Python importing torch) and as `python -m
+parabench.torchrun ...` (the same agent, ranks forked once it has imported what they
+run), `--repeats` times each, and prints per launch: its wall time, the ranks' own
+setup (start of `run_cell` to the first step) and the cell's median timed step, which
+must not move: the fork changes how a rank starts, not what it measures.
+
+    python benchmarks/launch_overhead.py [--strategy ddp] [--devices 4] [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pandas as pd
+
+from parabench.config import load_config, spec_for
+from parabench.launch import cell_argv
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--strategy", default="ddp")
+    parser.add_argument("--devices", type=int, default=4)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    config = load_config(REPO / "config/config.yaml")
+    spec = spec_for(config, "mlp", args.strategy, args.devices, 0)
+    forked = cell_argv(spec, "OUT", sys.executable)
+    plain = [sys.executable, "-m", "torch.distributed.run", *forked[3:]]
+    found: dict[str, list[tuple[float, float, float]]] = {"torchrun": [], "forked": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        for i in range(args.repeats):
+            for name, argv in (("torchrun", plain), ("forked", forked)):
+                out = Path(tmp) / f"{name}{i}"
+                out.mkdir()
+                argv = [str(out) if a == "OUT" else a for a in argv]
+                t0 = time.perf_counter()
+                subprocess.run(argv, check=True, capture_output=True)
+                wall = time.perf_counter() - t0
+                meta = json.loads((out / "meta.json").read_text())
+                steps = pd.read_csv(out / "steps.csv")
+                step = steps.loc[steps.phase == "timed", "step_time_s"].median()
+                found[name].append((wall, meta["setup_s"], step))
+    print(f"mlp {args.strategy} at {args.devices} ranks, {args.repeats} launches each, in turn")
+    print(f"{'launch':<10}{'wall s':>9}{'setup s':>9}{'step ms':>9}")
+    for name, rows in found.items():
+        wall, setup, step = (statistics.median(col) for col in zip(*rows, strict=True))
+        print(f"{name:<10}{wall:>9.2f}{setup:>9.2f}{step * 1e3:>9.1f}")
+
+
+if __name__ == "__main__":
+    main()
