@@ -1,3 +1,3 @@
-from parabench.cli import main
+from parabench.cli import entry
 
-raise SystemExit(main())
+entry()

@@ -10,9 +10,12 @@ Snakemake.
 from __future__ import annotations
 
 import argparse
+import atexit
 import faulthandler
+import os
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 from parabench import spec as specs
 from parabench.config import COLLECTIVE_BYTES
@@ -98,6 +101,22 @@ def _parser() -> argparse.ArgumentParser:
     swp.add_argument("--devices", help="device counts, e.g. 1,2,4, or auto: what the GPUs allow")
     swp.add_argument("--force", action="store_true", help="rerun cells already recorded")
     return parser
+
+
+def exit_now(code: int) -> NoReturn:
+    """Exit once the exit handlers have run (logging, multiprocessing, torch's own),
+    without tearing the interpreter down: with torch loaded that takes a second here,
+    which every process of a sweep would pay. Every record is already written and
+    closed; only the streams need flushing."""
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def entry() -> NoReturn:
+    """The `parabench` command (and `python -m parabench`)."""
+    exit_now(main())
 
 
 def main(argv: list[str] | None = None) -> int:

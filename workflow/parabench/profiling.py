@@ -112,15 +112,15 @@ class StepProfiler:
             self.events += [e for e in events if not self.events or e.get("ph") != "M"]
             self._live = None
 
-    def count(self, run_step) -> list[dict]:
-        """Record one more step, `run_step()`, with memory and tensor shapes: the
-        bytes each collective moves and the CPU memory peak. Recording those works on
-        every allocation and op, so this step has a session of its own and stays out
-        of the anatomy."""
+    def count(self, run_step, shapes: bool = True) -> list[dict]:
+        """Record one more step, `run_step()`, with memory and (`shapes`) tensor
+        shapes: the CPU memory peak and the bytes each collective moves. Recording
+        those works on every allocation and op, so this step has a session of its own
+        and stays out of the anatomy."""
         activities = [ProfilerActivity.CPU]
         if self.ctx.device.type == "cuda":
             activities.append(ProfilerActivity.CUDA)
-        counting = profile(activities=activities, profile_memory=True, record_shapes=True)
+        counting = profile(activities=activities, profile_memory=True, record_shapes=shapes)
         with counting as m, marks.recording():  # its step range bounds what is counted
             run_step()
         return _chrome_events(m.export_chrome_trace)

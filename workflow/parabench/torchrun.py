@@ -65,6 +65,7 @@ def main(argv: list[str] | None = None) -> None:
         raise RuntimeError(f"preloading {command[:1]} initialised CUDA in the agent")
     config.start_method = "fork"
     elastic_launch(config=config, entrypoint=_rank)(*command)
+    cli.exit_now(0)
 
 
 if __name__ == "__main__":
