@@ -3,6 +3,7 @@ its cause; real torchrun ranks, real `parabench launch`, as the workflow runs th
 
 import json
 import os
+import signal
 import subprocess
 import time
 
@@ -70,6 +71,52 @@ def test_cell_timeout_kills_a_hang_outside_any_collective(tmp_path):
     assert 8 <= elapsed < 25
     left = subprocess.run(["pgrep", "-f", str(tmp_path / "cell")], capture_output=True)
     assert left.returncode == 1, "no process of the killed cell may survive"
+
+
+def test_cell_timeout_of_a_multi_rank_cell_records_the_timeout_alone(tmp_path):
+    """Killed ranks die of the signal, as torchrun's own ranks do: none of them reports
+    the kill as its exception (a forked rank keeps no handler of the agent's)."""
+    spec = tiny_spec("ddp", 2)  # process-group timeout 60 s: the cell timeout comes first
+    proc, meta, elapsed = guarded(
+        tmp_path, spec, "hang@tiny/ddp/n2/r0:rank=0:step=1", cell_timeout=10
+    )
+    assert proc.returncode == 0
+    assert meta["reason"] == "timed out after 10 s (cell_timeout_s); killed", meta["reason"]
+    assert 10 <= elapsed < 25, elapsed
+    left = subprocess.run(["pgrep", "-f", str(tmp_path / "cell")], capture_output=True)
+    assert left.returncode == 1, "no process of the killed cell may survive"
+
+
+def test_an_interrupted_multi_rank_cell_leaves_no_record(tmp_path):
+    """Ctrl-C (SIGINT to the guard) mid-cell: no record, failed or not, so that a
+    resumed sweep reruns the cell; every rank gone at once, none of them reporting the
+    kill as its own error (rank 0 waits in the all-reduce for the hung rank 1)."""
+    out = tmp_path / "cell"
+    proc = subprocess.Popen(
+        launch_argv(tiny_spec("ddp", 2), out, 120),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "PARABENCH_FAULT": "hang@tiny/ddp/n2/r0:rank=1:step=1"},
+    )
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        found = subprocess.run(["pgrep", "-f", str(out)], capture_output=True, text=True)
+        if len(found.stdout.split()) >= 4:  # guard, agent and two ranks
+            break
+        time.sleep(0.2)
+    time.sleep(4)  # into the ranks' set-up or the hang: either must end the same way
+    proc.send_signal(signal.SIGINT)
+    t0 = time.monotonic()
+    output, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGINT, output[-2000:]
+    assert "interrupted by SIGINT; nothing recorded" in output
+    assert time.monotonic() - t0 < 5, "the ranks die of the signal, not after a grace period"
+    assert not (out / "meta.json").exists(), (out / "meta.json").read_text()
+    assert not list(out.glob("error-rank*.json")), "a rank took the kill for its own error"
+    time.sleep(1)
+    left = subprocess.run(["pgrep", "-f", str(out)], capture_output=True)
+    assert left.returncode == 1, "no process of the interrupted cell may survive"
 
 
 def test_a_single_process_killed_by_a_signal_says_where_python_was(tmp_path):

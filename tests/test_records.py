@@ -98,3 +98,55 @@ def test_atomic_write_leaves_no_temp_and_keeps_old_file_on_failure(tmp_path):
     assert path.read_bytes() == b"old"
     assert os.listdir(tmp_path) == ["f.txt"]
     assert oct(path.stat().st_mode & 0o777) != oct(0o600), "shareable, not mkstemp's 0600"
+
+
+def _torchrun_report(rank: int, exitcode: int) -> list[str]:
+    """The agent's failure report, in the layout torchrun prints it."""
+    return [
+        "Root Cause (first observed failure):",
+        "[0]:",
+        "  time      : 2026-11-23_10:00:00",
+        "  host      : node1",
+        f"  rank      : {rank} (local_rank: {rank})",
+        f"  exitcode  : {exitcode} (pid: 4242)",
+    ]
+
+
+def _error(rank: int, kind: str, message: str) -> dict:
+    return {"rank": rank, "type": kind, "message": message}
+
+
+@pytest.mark.parametrize(
+    "report, errors, expected",
+    [
+        # Nothing to go on.
+        ([], [], ""),
+        # A rank died without an exception: torchrun's verdict is the cause.
+        (
+            _torchrun_report(1, 13),
+            [],
+            "torchrun: rank 1 failed first (exit code 13) without a Python exception",
+        ),
+        # Both ranks raised: the ranks' own clocks (errors, earliest first) beat the
+        # agent's poll, which may find the later one dead first.
+        (
+            _torchrun_report(1, 1),
+            [_error(0, "ValueError", "first"), _error(1, "RuntimeError", "then")],
+            "rank 0: ValueError: first",
+        ),
+        # The named rank died of a signal; another's exception is its symptom, kept.
+        (
+            _torchrun_report(1, -6),
+            [_error(0, "RuntimeError", "Connection closed by peer")],
+            "torchrun: rank 1 failed first (killed by signal SIGABRT) without a Python "
+            "exception; then rank 0: RuntimeError: Connection closed by peer",
+        ),
+        # No report (the agent itself was killed): the earliest exception.
+        ([], [_error(1, "OutOfMemoryError", "injected")], "rank 1: OutOfMemoryError: injected"),
+    ],
+    ids=["nothing", "exit-no-exception", "earliest-exception", "signal-then-symptom", "no-report"],
+)
+def test_root_cause_names_the_first_failure(report, errors, expected):
+    from parabench import guard
+
+    assert guard.root_cause(report, errors, 2) == expected

@@ -107,7 +107,9 @@ def exit_now(code: int) -> NoReturn:
     """Exit once the exit handlers have run (logging, multiprocessing, torch's own),
     without tearing the interpreter down: with torch loaded that takes a second here,
     which every process of a sweep would pay. Every record is already written and
-    closed; only the streams need flushing."""
+    closed; only the streams need flushing. Skipped with the teardown: threading's
+    shutdown (joining non-daemon threads, concurrent.futures' workers), which
+    parabench does not use."""
     atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()

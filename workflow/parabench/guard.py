@@ -160,6 +160,9 @@ def guard(out: Path, cmd: list[str], timeout_s: float, fields: dict, ranks: int)
     print(f"parabench guard: launch took {elapsed:.2f} s, {_describe_exit(rc)}", file=sys.stderr)
 
     if interrupted:
+        # A rank may have recorded its own end as a failure on the way out: a cell cut
+        # short by the user is no result, failed or not, so nothing of it is kept.
+        meta.unlink(missing_ok=True)
         print(
             f"parabench guard: interrupted by {signal.Signals(interrupted[0]).name}; "
             "nothing recorded, the cell will rerun",

@@ -6,25 +6,34 @@ what they run, instead of each starting a new Python that imports torch again.
 Why: a rank's imports (torch; torch._dynamo, which every optimizer's constructor pulls
 in; DTensor for FSDP and tensor parallel) cost 4 to 6 s of CPU on the 2-core machines
 the default run is sized for, and four ranks paid them on two cores before their first
-step. DDP at 4 ranks of the default mlp: 16.3 s with `torch.distributed.run`, 8.9 s
-forked, the same timed steps (median 45 vs 43 ms).
+step. DDP at 4 ranks of the default mlp (benchmarks/launch_overhead.py): 16.5 s with
+`torch.distributed.run`, 8.2 s forked, the same timed steps (median 43.6 vs 42.9 ms).
 
-Forking is safe because the agent runs no torch op and touches no GPU before it forks:
-OpenMP's thread pool and the CUDA context are started by each rank, never inherited
-(checked below), and each rank sets its own threads and core binding (runtime.start).
+Forking is safe because the agent runs no torch op before it forks and never starts
+CUDA: device counts go through NVML (PYTORCH_NVML_BASED_CUDA_CHECK), a device-type
+`--nproc-per-node` (gpu, auto) is left to plain torchrun, and a preload that initialised
+CUDA is refused. OpenMP's thread pool and the CUDA context are started by each rank,
+never inherited, and each rank sets its own threads and core binding (runtime.start).
+Each rank restores the signal handlers a new Python has (the agent's raise
+SignalException), so a killed rank dies as torchrun's own ranks do.
+Everything else is torchrun's own code: its rendezvous rules (--standalone, a one-node
+static rendezvous becoming c10d), environment and failure report. The differences: the
+start method is fork whatever --start-method says, and PYTHON_EXEC is not used.
 Any entrypoint other than `-m parabench ...` is started as torchrun starts it.
 """
 
 from __future__ import annotations
 
+import os
+import signal
 import sys
 import time
-import uuid
+import traceback
+from collections.abc import Callable
 
 import torch
 from torch.distributed import run as torchrun
 from torch.distributed.elastic.multiprocessing.errors import record
-from torch.distributed.launcher.api import elastic_launch
 
 from parabench import cli
 
@@ -34,12 +43,26 @@ from parabench import cli
 # names the lowest rank among those it finds dead in one poll (every 0.1 s).
 FAILED_RANK_LINGER_S = 2.0
 
+# The handlers torchrun's agent replaces with its own (TORCHELASTIC_SIGNALS_TO_HANDLE's
+# default), as a new Python has them; read at import, before the agent starts.
+_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
+_FRESH_HANDLERS = {sig: signal.getsignal(sig) for sig in _SIGNALS}
+
 
 def _rank(*argv: str) -> None:
     """A forked rank: what `python -m parabench <argv>` would run."""
+    for sig, handler in _FRESH_HANDLERS.items():
+        signal.signal(sig, handler)
+    # As a rank's output reaches the log line by line when the agent spawns it (the
+    # guard reads it through a pipe and names the last lines of a failure).
+    sys.stdout.reconfigure(line_buffering=True)
     try:
         code = cli.main(list(argv))
     except Exception:
+        # The multiprocessing wrapper only pickles the traceback for the agent, which
+        # prints the first failure's: every rank's goes into the log here.
+        traceback.print_exc()
+        sys.stderr.flush()
         time.sleep(FAILED_RANK_LINGER_S)
         raise
     if code:
@@ -47,24 +70,32 @@ def _rank(*argv: str) -> None:
         raise SystemExit(code)
 
 
+def _forking(config_from_args: Callable) -> Callable:
+    """torchrun's config_from_args, returning this module's forked rank as the
+    entrypoint once the agent has preloaded what the ranks import."""
+
+    def forked(args):
+        config, _, _ = config_from_args(args)  # its command is python's: -u -m parabench ...
+        command = list(args.training_script_args)
+        cli.preload(command)
+        if torch.cuda.is_initialized():  # a forked child cannot use its parent's context
+            raise RuntimeError(f"preloading {command[:1]} initialised CUDA in the agent")
+        config.start_method = "fork"
+        return config, _rank, command
+
+    return forked
+
+
 @record
 def main(argv: list[str] | None = None) -> None:
+    # Before anything asks whether CUDA is there: NVML answers without starting CUDA in
+    # the agent, which its forked ranks could then not use.
+    os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
     args = torchrun.parse_args(sys.argv[1:] if argv is None else argv)
-    if not (args.module and args.training_script == "parabench"):
-        torchrun.run(args)
-        return
-    if args.standalone:  # as torchrun.run does: a private rendezvous on this host
-        args.rdzv_backend, args.rdzv_endpoint = "c10d", "localhost:0"
-        args.rdzv_id = str(uuid.uuid4())
-    if args.master_port is None:  # torchrun's default, for the static rendezvous
-        args.master_port = 29500
-    config, _, _ = torchrun.config_from_args(args)
-    command = list(args.training_script_args)
-    cli.preload(command)
-    if torch.cuda.is_initialized():  # a forked child cannot use its parent's context
-        raise RuntimeError(f"preloading {command[:1]} initialised CUDA in the agent")
-    config.start_method = "fork"
-    elastic_launch(config=config, entrypoint=_rank)(*command)
+    if args.module and args.training_script == "parabench" and args.nproc_per_node.isdigit():
+        # torchrun.run applies torchrun's rules to the arguments, then calls this.
+        torchrun.config_from_args = _forking(torchrun.config_from_args)
+    torchrun.run(args)
     cli.exit_now(0)
 
 
