@@ -199,3 +199,33 @@ def test_a_bad_fabric_is_one_clear_error(tmp_path):
     )
     assert proc.returncode == 2
     assert "not an nccl-tests result row" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_a_check_row_is_set_beside_its_own_variants_cell():
+    """A sweep of two precisions: the plan's check row (the first level, fp32) is
+    compared with the fp32 cell, never the bf16 one listed first."""
+    from parabench import scaling
+
+    variant = {"model": "tiny", "optimizer": "sgd", "compile": False, "strategy": "ddp"}
+    summary = pd.DataFrame(
+        [
+            {**variant, "precision": "bf16", "devices": 2, "status": "ok", "step_time_s": 0.01},
+            {**variant, "precision": "fp32", "devices": 2, "status": "ok", "step_time_s": 0.04},
+        ]
+    )
+    plan = pd.DataFrame(
+        [
+            {
+                **variant,
+                "precision": "fp32",
+                "world_size": 2,
+                "kind": "check",
+                "status": "ok",
+                "predicted_step_s": 0.05,
+            }
+        ]
+    )
+    got = scaling.against_measured(plan, summary)
+    assert len(got) == 1
+    assert got["step_time_s"].iloc[0] == 0.04
+    assert got["plan_error"].iloc[0] == pytest.approx(0.25)

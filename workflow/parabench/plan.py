@@ -53,6 +53,9 @@ from parabench.spec import RunSpec
 
 COLUMNS = (
     "model",
+    "precision",
+    "optimizer",
+    "compile",
     "strategy",
     "world_size",
     "kind",
@@ -195,6 +198,9 @@ def run_plan(config: dict, fabric: Fabric, out: Path, curves: Fabric | None = No
         n = spec.devices
         base = {
             "model": spec.model_name,
+            "precision": spec.precision,
+            "optimizer": spec.optimizer,
+            "compile": spec.compile,
             "strategy": spec.strategy,
             "world_size": n,
             "kind": kind,

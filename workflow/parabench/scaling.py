@@ -35,6 +35,7 @@ import pandas as pd
 
 from parabench.catalog import ACTIVATIONS, GRADS, OPTIMIZER, PARAMS, REFERENCE, record
 from parabench.ops import OPS
+from parabench.records import VARIANT_KEYS
 
 TOLERANCE = 0.25
 
@@ -145,14 +146,15 @@ def bubble_time(rec, compute: float, n: int, settings: dict) -> float:
 
 def against_measured(plan: pd.DataFrame, summary: pd.DataFrame) -> pd.DataFrame:
     """The plan's check rows (one planned rank at a device count this sweep measured)
-    beside the measured cell of the same model, strategy and count (its first
-    variant): predicted, measured and the error."""
+    beside the measured cell of the same variant, strategy and count: predicted,
+    measured and the error."""
     rows = plan[(plan["kind"] == "check") & (plan["status"] == "ok")]
-    ok = summary[summary["status"] == "ok"].drop_duplicates(["model", "strategy", "devices"])
+    ok = summary[summary["status"] == "ok"]
+    keys = [*VARIANT_KEYS, "strategy"]
     merged = rows.merge(
-        ok[["model", "strategy", "devices", "step_time_s"]],
-        left_on=["model", "strategy", "world_size"],
-        right_on=["model", "strategy", "devices"],
+        ok[[*keys, "devices", "step_time_s"]],
+        left_on=[*keys, "world_size"],
+        right_on=[*keys, "devices"],
     )
     merged["plan_error"] = merged["predicted_step_s"] / merged["step_time_s"] - 1
     return merged[
