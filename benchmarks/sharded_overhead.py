@@ -37,7 +37,7 @@ SEED_MLP = ModelSpec.of("mlp")  # 1000-400-300-200-100-50-1
 def bare(kind: str, ctx: runtime.Context, batch: int, steps: int, seed: int) -> list[float]:
     """What a user would write for FSDP2 or tensor parallel: no strategy object."""
     model = build(SEED_MLP, seed)
-    net, loss_fn = model.blocks.to(ctx.device), model.loss_fn
+    net, loss_fn = model.module.to(ctx.device), model.loss_fn
     mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
     if kind == "fsdp":
         for block in net:

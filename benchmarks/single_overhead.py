@@ -32,7 +32,7 @@ from parabench.strategies import get
 def bare_loop(device: torch.device, batch: int, steps: int, seed: int) -> list[float]:
     """What a user would write: no strategy object, no records."""
     model = build(ModelSpec.of("mlp"), seed)
-    net, loss_fn = model.blocks.to(device), model.loss_fn
+    net, loss_fn = model.module.to(device), model.loss_fn
     opt = torch.optim.SGD(net.parameters(), lr=0.01)
     sync = synchronizer([device])
     batches = SyntheticBatches(model, batch, seed, Shard(0, 1), device)
@@ -101,7 +101,7 @@ def main() -> None:
     print(f"achieved / GEMM            {achieved / gemm:8.3f}   (goal >= 0.80)")
     # What the usual estimate would claim: it counts an input gradient for the first
     # layer, which autograd never computes.
-    params = sum(p.numel() for p in build(ModelSpec.of("mlp"), 0).blocks.parameters())
+    params = sum(p.numel() for p in build(ModelSpec.of("mlp"), 0).module.parameters())
     naive = 6 * params * args.batch
     print(
         f"6*params*batch would claim {naive / 1e9:8.3f} GFLOP, {naive / flops - 1:+.0%}, "

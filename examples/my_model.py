@@ -61,3 +61,47 @@ def build(
             plan[f"{i}.0"], plan[f"{i + 1}.0"] = "colwise", "rowwise"
         model["tp_plan"] = plan
     return model
+
+
+class ResidualNet(nn.Module):
+    """A model as people write it: a forward of its own over a ModuleList of blocks."""
+
+    def __init__(self, in_features: int, width: int, depth: int, classes: int) -> None:
+        super().__init__()
+        self.embed = nn.Linear(in_features, width)
+        self.layers = nn.ModuleList(
+            nn.Sequential(
+                nn.LayerNorm(width),
+                nn.Linear(width, 2 * width),
+                nn.GELU(),
+                nn.Linear(2 * width, width),
+            )
+            for _ in range(depth)
+        )
+        self.head = nn.Linear(width, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        for layer in self.layers:
+            h = h + layer(h)
+        return self.head(h)
+
+
+def build_module(
+    in_features: int = 64, width: int = 128, depth: int = 4, classes: int = 10
+) -> dict:
+    """The same contract with `module=` in place of `blocks=`: any nn.Module, unchanged.
+    parabench finds its repeated blocks (here `layers`, the largest ModuleList of one
+    class; the config key `blocks` can name them) and shards each as one FSDP unit.
+    Pipeline and model parallel cut an nn.Sequential only, so they skip this model."""
+    module = ResidualNet(in_features, width, depth, classes)
+
+    def batch(n: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        x = torch.randn(n, in_features, generator=generator)
+        y = torch.randint(0, classes, (n,), generator=generator)
+        return x, y
+
+    plan = {}
+    for i in range(depth):  # each block's MLP: up-projection by columns, down by rows
+        plan[f"layers.{i}.1"], plan[f"layers.{i}.3"] = "colwise", "rowwise"
+    return {"module": module, "loss": nn.CrossEntropyLoss(), "batch": batch, "tp_plan": plan}

@@ -25,7 +25,7 @@ from parabench.spec import ModelSpec
 
 F32 = 4
 DIMS = [48, 32, 24, 16, 8, 4, 1]
-GRAD_BYTES = sum(p.numel() for p in build(TINY_MLP, 0).blocks.parameters()) * F32
+GRAD_BYTES = sum(p.numel() for p in build(TINY_MLP, 0).module.parameters()) * F32
 # Big enough that a step takes milliseconds, not microseconds of Python: the closure
 # check is about attribution, not about the profiler's per-op cost on a toy.
 WIDE = ModelSpec.of("mlp", dims=[512, 512, 512, 512, 256, 64, 1])

@@ -1,8 +1,11 @@
 """A user's own model through the real pipeline: examples/my_model.py copied next to a
 config, as a user would, at single, ddp n=2 and pipeline n=2; the same model with
 BatchNorm, whose maths really changes under data parallelism, reported as differing
-with its cause; and a broken factory refused before any job."""
+with its cause; a plain nn.Module with a ModuleList of blocks (a forward of its own)
+under every strategy that can take it unchanged; and a broken factory refused before
+any job."""
 
+import json
 import shutil
 
 import pandas as pd
@@ -21,6 +24,13 @@ CONFIG = {
             "args": {"width": 32, "depth": 4},
             "batch_size": 64,
             "strategies": ["single", "ddp", "pipeline"],
+        },
+        "mine_module": {
+            "arch": "custom",
+            "factory": "my_model:build_module",
+            "args": {"width": 32, "depth": 3},
+            "batch_size": 64,
+            "strategies": ["single", "ddp", "zero1", "fsdp", "tp", "grad_accum", "pipeline"],
         },
         "mine_bn": {
             "arch": "custom",
@@ -58,6 +68,29 @@ def test_the_example_model_runs_everywhere_with_the_same_maths(run):
         assert str(row["equivalent"]) == "True", row
         assert row["max_abs_param_diff"] <= 1e-6
         assert row["flops_per_step"] > 0 and row["mfu"] > 0  # counted like a preset's
+
+
+def test_a_module_with_a_forward_of_its_own_runs_unchanged_with_the_same_maths(run):
+    """Found blocks (layers.0-2: FSDP's units), the same parameters as single for every
+    strategy that keeps the module whole; pipeline cannot cut it, and says so before
+    starting any rank."""
+    work, s = run
+    for strategy, n in [("single", 1)] + [
+        (strategy, n) for strategy in ("ddp", "zero1", "fsdp", "tp", "grad_accum") for n in (1, 2)
+    ]:
+        row = s.loc[("mine_module", strategy, n)]
+        assert row["status"] == "ok", (strategy, n, row["reason"])
+        assert str(row["equivalent"]) == "True", (strategy, n, row["rel_param_diff"])
+        assert row["max_abs_param_diff"] <= 1e-5, (strategy, n)
+    # one FSDP unit per found block (layers.0-2) and the root: a reduce-scatter each
+    fsdp = json.loads(s.loc[("mine_module", "fsdp", 2), "comm_by_op"])
+    assert fsdp["reduce_scatter"]["count"] == 3 + 1
+    for n in (1, 2):
+        row = s.loc[("mine_module", "pipeline", n)]
+        assert row["status"] == "skipped"
+        assert "cuts stages between the blocks of an nn.Sequential" in row["reason"]
+    log = (work / "results/logs/runs/mine_module/fp32-sgd/pipeline/n2/r0.log").read_text()
+    assert "parabench.torchrun" not in log.splitlines()[0], "a skipped cell starts no ranks"
 
 
 def test_batchnorm_differs_under_ddp_and_the_report_says_why(run):

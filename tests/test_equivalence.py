@@ -91,7 +91,7 @@ def test_single_actually_trains(reference, tmp_path):
     from parabench.models import build
 
     single, _ = reference()
-    init = {k: v.detach() for k, v in build(TINY_MLP, 0).blocks.named_parameters()}
+    init = {k: v.detach() for k, v in build(TINY_MLP, 0).module.named_parameters()}
     assert max_abs_diff(single, init) > 1e-2
     _meta, _ = run_cell(tiny_spec("single", 1, lr=LR / 2), tmp_path)
     assert max_abs_diff(single, load_params(tmp_path)) > 100 * TOL

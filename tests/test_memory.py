@@ -17,7 +17,7 @@ F32 = 4
 
 
 def params_of(model: ModelSpec) -> dict:
-    return dict(build(model, 0).blocks.named_parameters())
+    return dict(build(model, 0).module.named_parameters())
 
 
 def total_bytes(model: ModelSpec) -> int:
@@ -90,7 +90,7 @@ def test_tensor_parallel_splits_the_planned_layers(cells):
     model = build(MODEL, 0)
     split = 0
     for fqn in model.tp_plan:
-        layer = model.blocks.get_submodule(fqn)
+        layer = model.module.get_submodule(fqn)
         split += layer.weight.numel() * F32
         if model.tp_plan[fqn] == "colwise":
             split += layer.bias.numel() * F32

@@ -31,11 +31,11 @@ def test_gpt_flops_per_step_equal_the_analytic_count_with_attention():
 
 def test_gpt_shape_blocks_and_plan():
     model = build(GPT, 0)
-    assert len(model.blocks) == facts(GPT).n_blocks == 4 + 2  # embedding, layers, head
+    assert len(model.module) == facts(GPT).n_blocks == 4 + 2  # embedding, layers, head
     x, y = model.batch(3, torch.Generator().manual_seed(0))
     assert x.shape == y.shape == (3, 64) and x.dtype == torch.long
     assert torch.equal(x[:, 1:], y[:, :-1]), "targets are the next tokens"
-    logits = model.blocks(x)
+    logits = model.module(x)
     assert logits.shape == (3, 64, 256)
     assert model.loss_fn(logits, y).dim() == 0
     assert model.tokens_per_sample == 64
@@ -44,7 +44,7 @@ def test_gpt_shape_blocks_and_plan():
     assert model.tp_plan["1.mlp.fc"] == "colwise"
     # GPT-2 small's shape (untied head, so 163M rather than 124M parameters)
     gpt2 = build(ModelSpec.of("gpt"), 0)
-    assert sum(p.numel() for p in gpt2.blocks.parameters()) == 163_037_184
+    assert sum(p.numel() for p in gpt2.module.parameters()) == 163_037_184
 
 
 def test_gpt_heads_must_split_over_tensor_parallel_ranks():
@@ -91,7 +91,7 @@ def test_a_presets_planning_facts_are_those_of_the_model_it_builds(arch, sizes):
     with torch.device("meta"):
         model = build(spec, 0)
     known = facts(spec)
-    assert known.n_blocks == len(model.blocks)
+    assert known.n_blocks == len(model.module)
     assert known.has_tp_plan == bool(model.tp_plan)
     widths = tp_widths(model)
     if arch == "gpt":  # heads split whole: the q, k, v widths in units of one head
@@ -175,6 +175,59 @@ def test_a_broken_factory_is_refused_naming_it(tmp_path, monkeypatch, case):
     assert message in found[0], found
 
 
+MODULE_FACTORY = """
+import torch
+from torch import nn
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.ModuleList([nn.Linear(8, 8), nn.ReLU()])  # two classes: not blocks
+        self.body = nn.Module()
+        self.body.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x):
+        for m in [*self.stem, *self.body.layers]:
+            x = m(x)
+        return self.head(x)
+
+def build():
+    def batch(n, g):
+        return torch.randn(n, 8, generator=g), torch.zeros(n, dtype=torch.long)
+    return dict(module=Net(), loss=nn.CrossEntropyLoss(), batch=batch)
+"""
+
+
+@pytest.mark.parametrize(
+    "blocks, found, problem",
+    [
+        (None, ("body.layers.0", "body.layers.1", "body.layers.2"), None),
+        ("stem", ("stem.0", "stem.1"), None),  # named: taken as the user says
+        ("body.nope", (), "models.mine.blocks: 'body.nope' is not a module of the model"),
+        ("head", (), "models.mine.blocks: 'head' (Linear) holds no blocks"),
+    ],
+)
+def test_a_modules_blocks_are_found_or_named(tmp_path, monkeypatch, blocks, found, problem):
+    (tmp_path / "net.py").write_text(MODULE_FACTORY)
+    monkeypatch.chdir(tmp_path)
+    entry = {"arch": "custom", "factory": "net:build", "batch_size": 8}
+    if blocks:
+        entry["blocks"] = blocks
+    cfg = {"models": {"mine": entry}, "strategies": ["single", "fsdp"], "devices": [1, 2]}
+    got = problems({**cfg, "repeats": 1})
+    if problem:
+        assert got == [problem]
+        return
+    assert got == []
+    model = build(ModelSpec.of(**entry_sizes(entry)), 0)
+    assert model.block_names == found and not model.sequential
+
+
+def entry_sizes(entry: dict) -> dict:
+    return {k: v for k, v in entry.items() if k != "batch_size"}
+
+
 def test_tp_is_refused_for_a_model_without_a_plan(tmp_path, monkeypatch):
     (tmp_path / "plain.py").write_text(
         textwrap.dedent(FACTORIES["not_scalar"][0]).replace('reduction="none"', "")
@@ -193,7 +246,7 @@ def test_tp_is_refused_for_a_model_without_a_plan(tmp_path, monkeypatch):
 def test_batch_dependent_and_random_layers_are_named():
     model = build(GPT, 0)
     assert maths_notes(model) == []
-    model.blocks.append(torch.nn.Sequential(torch.nn.BatchNorm1d(4), torch.nn.Dropout(0.1)))
+    model.module.append(torch.nn.Sequential(torch.nn.BatchNorm1d(4), torch.nn.Dropout(0.1)))
     notes = maths_notes(model)
     assert notes[0].startswith("BatchNorm1d at blocks.6.0 normalises over the samples")
     assert notes[1].startswith("Dropout(p=0.1) at blocks.6.1 draws random masks")

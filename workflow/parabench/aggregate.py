@@ -227,7 +227,7 @@ def _model_facts(spec: ModelSpec, batch: int) -> dict:
         "flops": flops,
         "tokens_per_sample": model.tokens_per_sample or np.nan,
         "notes": maths_notes(model),
-        "params": sum(p.numel() for p in model.blocks.parameters()),
+        "params": sum(p.numel() for p in model.module.parameters()),
         "activations_per_sample": activations,
     }
 

@@ -105,7 +105,7 @@ def check_fits(spec: RunSpec, world: int) -> None:
     if spec.model.arch == "custom":  # it was built once already, when the run was checked
         return
     with torch.device("meta"):
-        n_params = sum(p.numel() for p in build(spec.model, spec.seed).blocks.parameters())
+        n_params = sum(p.numel() for p in build(spec.model, spec.seed).module.parameters())
     local = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
     need = n_params * 4 * local  # fp32 parameters, one copy per process on this host
     free = envinfo.available_memory()
@@ -180,7 +180,7 @@ def reorder_spread(spec: RunSpec, ctx: runtime.Context, reference: dict) -> dict
     the timed run is the rounding floor the equivalence tolerance is built on (see
     equivalence.py). Eager even when the cell compiles, to spare a second compilation."""
     model = build(spec.model, spec.seed)
-    initial = cpu_params(model.blocks)
+    initial = cpu_params(model.module)
     replica = strategies.get(spec.strategy)(model, spec, ctx)
     batches = batch_source(model, spec, replica)
     for step in range(len(plan(spec.steps, spec.warmup, spec.profile_steps))):

@@ -31,7 +31,7 @@ def _fwd_bwd(module: nn.Module, x: torch.Tensor, loss) -> int:
 def step_flops(model: Model, batch: int) -> int:
     """FLOPs of forward + backward of the whole model on `batch` samples (meta tensors:
     shapes only, no memory, no compute)."""
-    meta = copy.deepcopy(model.blocks).to("meta")
+    meta = copy.deepcopy(model.module).to("meta")
     return _fwd_bwd(meta, _meta_input(model, batch), lambda out: out.sum())
 
 
@@ -41,7 +41,7 @@ def block_flops(model: Model, batch: int = 8) -> list[int]:
     The first block's input needs no gradient, the others' inputs do (they are
     activations), exactly as in training.
     """
-    meta = copy.deepcopy(model.blocks).to("meta")
+    meta = copy.deepcopy(model.module).to("meta")
     x = _meta_input(model, batch)
     costs = []
     for i, block in enumerate(meta):
@@ -57,7 +57,7 @@ def activation_bytes_per_sample(model: Model, element_bytes: int = 4) -> float:
     """Bytes of every leaf module's output for one sample: what a forward keeps for
     backward, roughly (an analytic estimate on meta tensors; in-place and recomputed
     outputs make the real figure lower, saved inputs of some ops higher)."""
-    meta = copy.deepcopy(model.blocks).to("meta")
+    meta = copy.deepcopy(model.module).to("meta")
     total = [0]
 
     def hook(_module, _inputs, output) -> None:

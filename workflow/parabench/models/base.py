@@ -1,12 +1,15 @@
 """The contract every model keeps, presets and custom ones alike, and what is read off it.
 
-A model is an nn.Sequential of blocks plus a loss and a batch generator:
-- blocks: block i+1 takes block i's output; stages are cut between blocks
-- loss(output, target) -> scalar mean over the batch
+A model is a module plus a loss and a batch generator:
+- module(inputs) -> output; loss(output, target) -> scalar mean over the batch
 - batch(batch_size, generator) -> (inputs, targets), deterministic given the generator,
   batch dimension first; parabench moves it to the device and slices it per rank
-- tp_plan (optional): module name (relative to blocks) -> "colwise" | "rowwise" (or a
-  torch ParallelStyle), each column-wise layer followed by its row-wise partner
+- block_names: the module's repeated blocks (FSDP's units, what `compile` compiles).
+  Where the module is an nn.Sequential, its children are the blocks, each taking the
+  previous one's output: pipeline and model parallel cut their stages between them.
+  Any other module runs its own forward, unchanged, so no stage can be cut from it.
+- tp_plan (optional): module name (relative to the module) -> "colwise" | "rowwise"
+  (or a torch ParallelStyle), each column-wise layer followed by its row-wise partner
 """
 
 from __future__ import annotations
@@ -20,15 +23,34 @@ from torch import nn
 
 @dataclass
 class Model:
-    blocks: nn.Sequential
+    module: nn.Module
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     # batch(n, generator) -> (inputs, targets). Presets draw on the generator's device;
     # a custom model's batch is drawn on the CPU (device_batches False) and moved.
     batch: Callable[[int, torch.Generator], tuple[torch.Tensor, torch.Tensor]]
-    # Tensor parallelism: module names (relative to `blocks`) -> "colwise" | "rowwise".
+    # Tensor parallelism: module names (relative to `module`) -> "colwise" | "rowwise".
     tp_plan: dict = field(default_factory=dict)
     device_batches: bool = True
     tokens_per_sample: int = 0  # language models: tokens in one sample (throughput)
+    # The repeated blocks' names in `module`; an nn.Sequential's are its children.
+    block_names: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.block_names and self.sequential:
+            self.block_names = tuple(name for name, _ in self.module.named_children())
+
+    @property
+    def sequential(self) -> bool:
+        """The stage-cut contract: blocks in order, each taking the previous output."""
+        return isinstance(self.module, nn.Sequential)
+
+    def blocks(self) -> list[nn.Module]:
+        return [self.module.get_submodule(name) for name in self.block_names]
+
+    @property
+    def label(self) -> str:
+        """How the user's factory named the module (layer names in messages)."""
+        return "blocks" if self.sequential else "module"
 
 
 def example_batch(model: Model, n: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -42,16 +64,16 @@ def maths_notes(model: Model) -> list[str]:
     data parallelism or micro-batching their maths really changes, so a strategy that
     splits the batch differs from `single` for a reason, named here."""
     notes = []
-    for name, m in model.blocks.named_modules():
+    for name, m in model.module.named_modules():
         if isinstance(m, nn.modules.batchnorm._BatchNorm):
             notes.append(
-                f"{type(m).__name__} at blocks.{name} normalises over the samples one "
+                f"{type(m).__name__} at {model.label}.{name} normalises over the samples one "
                 "rank or micro-batch sees (B/n or B/m), not the whole batch B "
                 "(SyncBatchNorm would restore it across ranks)"
             )
         elif isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0:
             notes.append(
-                f"{type(m).__name__}(p={m.p}) at blocks.{name} draws random masks, "
+                f"{type(m).__name__}(p={m.p}) at {model.label}.{name} draws random masks, "
                 "which no two strategies draw alike"
             )
     return notes

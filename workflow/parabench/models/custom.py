@@ -3,8 +3,11 @@
 The factory is plain PyTorch. Called with `args` as keyword arguments, it returns
 dict(blocks=nn.Sequential, loss=callable(output, target) -> scalar mean,
 batch=callable(batch_size, generator) -> (inputs, targets)), and optionally tp_plan=
-{module name: "colwise" | "rowwise" | a ParallelStyle}. The module is found on the
-working directory or PYTHONPATH. See docs/custom-models.md.
+{module name: "colwise" | "rowwise" | a ParallelStyle}. Or, for a model as it is
+written (any nn.Module with a forward of its own), module= in place of blocks=: its
+repeated blocks are found (the largest ModuleList of one class) or named by the config
+key `blocks`. The module is found on the working directory or PYTHONPATH. See
+docs/custom-models.md.
 
 The factory is imported and checked when the workflow plans, before any job: an import
 that fails, a factory that raises, a return value that breaks the contract, blocks that
@@ -33,6 +36,14 @@ if TYPE_CHECKING:
 class FactoryError(ValueError):
     """The factory cannot give a model that keeps the contract."""
 
+    key = "factory"  # the config key it is about, under models.<name>
+
+
+class BlocksError(FactoryError):
+    """The config's `blocks` names no container of blocks in the model."""
+
+    key = "blocks"
+
 
 def _load(path: str):
     module_name, _, function = path.partition(":")
@@ -59,24 +70,67 @@ def build_custom(spec: ModelSpec) -> Model:
         got = fn(**args)
     except Exception as e:
         raise FactoryError(f"the factory raised {type(e).__name__}: {e}") from e
-    if not isinstance(got, dict) or not {"blocks", "loss", "batch"} <= set(got):
+    if not isinstance(got, dict) or not (
+        {"loss", "batch"} <= set(got) and len({"blocks", "module"} & set(got)) == 1
+    ):
         kind = f"a dict with keys {sorted(got)}" if isinstance(got, dict) else type(got).__name__
-        raise FactoryError(f"returned {kind}, not dict(blocks=..., loss=..., batch=...)")
-    blocks, loss, batch = got["blocks"], got["loss"], got["batch"]
-    if not isinstance(blocks, nn.Sequential) or len(blocks) == 0:
-        raise FactoryError(f"blocks must be a non-empty nn.Sequential, got {type(blocks).__name__}")
+        raise FactoryError(
+            f"returned {kind}, not dict(blocks=..., loss=..., batch=...) "
+            "or dict(module=..., loss=..., batch=...)"
+        )
+    loss, batch = got["loss"], got["batch"]
+    if "blocks" in got:
+        module = got["blocks"]
+        if not isinstance(module, nn.Sequential) or len(module) == 0:
+            raise FactoryError(
+                f"blocks must be a non-empty nn.Sequential, got {type(module).__name__} "
+                "(a module with a forward of its own is returned as module=)"
+            )
+        names: tuple[str, ...] = ()
+    else:
+        module = got["module"]
+        if not isinstance(module, nn.Module):
+            raise FactoryError(f"module must be an nn.Module, got {type(module).__name__}")
+        try:
+            names = find_blocks(module, sizes.get("blocks"))
+        except ValueError as e:
+            raise BlocksError(str(e)) from None
     for key, value in (("loss", loss), ("batch", batch)):
         if not callable(value):
             raise FactoryError(f"{key} must be callable, got {type(value).__name__}")
     plan = got.get("tp_plan") or {}
     if not isinstance(plan, dict):
         raise FactoryError(f"tp_plan must be a dict, got {type(plan).__name__}")
+    where = "blocks" if "blocks" in got else "module"
     for fqn in plan:
         try:
-            blocks.get_submodule(fqn)
+            module.get_submodule(fqn)
         except AttributeError:
-            raise FactoryError(f"tp_plan names {fqn!r}, which is not a module of blocks") from None
-    return Model(blocks, loss, batch, dict(plan), device_batches=False)
+            raise FactoryError(f"tp_plan names {fqn!r}, which is not a module of {where}") from None
+    return Model(module, loss, batch, dict(plan), device_batches=False, block_names=names)
+
+
+def find_blocks(module: nn.Module, named: str | None = None) -> tuple[str, ...]:
+    """The names of `module`'s repeated blocks: the children of the container `named`
+    (dotted, e.g. "model.layers"), else of its largest ModuleList whose children are all
+    of one class (the decoder layers of a transformer), else none: FSDP then shards the
+    module as one unit."""
+    if named:
+        try:
+            container = module.get_submodule(named)
+        except AttributeError:
+            raise ValueError(f"{named!r} is not a module of the model") from None
+        children = [f"{named}.{name}" for name, _ in container.named_children()]
+        if not children:
+            raise ValueError(f"{named!r} ({type(container).__name__}) holds no blocks")
+        return tuple(children)
+    best: tuple[str, ...] = ()
+    for prefix, sub in module.named_modules():
+        if not isinstance(sub, nn.ModuleList) or len(sub) <= len(best):
+            continue
+        if len({type(child) for child in sub}) == 1:
+            best = tuple(f"{prefix}.{name}" if prefix else name for name, _ in sub.named_children())
+    return best
 
 
 def check_runs(model: Model, n: int = 4) -> None:
@@ -94,7 +148,12 @@ def check_runs(model: Model, n: int = 4) -> None:
         raise FactoryError("batch is not deterministic: draw every value from the generator")
     act = x
     with torch.no_grad():
-        for i, block in enumerate(model.blocks):
+        if not model.sequential:
+            try:
+                act = model.module(act)
+            except Exception as e:
+                raise FactoryError(f"module(inputs) raised {type(e).__name__}: {e}") from e
+        for i, block in enumerate(model.blocks() if model.sequential else []):
             try:
                 act = block(act)
             except Exception as e:
@@ -115,7 +174,7 @@ def tp_widths(model: Model) -> tuple[int, ...]:
     outputs and each row-wise Linear's inputs (a custom ParallelStyle: not known)."""
     widths = []
     for name, style in model.tp_plan.items():
-        layer = model.blocks.get_submodule(name)
+        layer = model.module.get_submodule(name)
         if isinstance(layer, nn.Linear) and style in ("colwise", "rowwise"):
             widths.append(layer.out_features if style == "colwise" else layer.in_features)
     return tuple(dict.fromkeys(widths))
@@ -129,6 +188,11 @@ def inspect_factory(spec: ModelSpec) -> ModelFacts:
         model = build_custom(spec)
         check_runs(model)
     except FactoryError as e:
-        return ModelFacts(0, False, problems=(f"factory: {e}",))
+        return ModelFacts(0, False, problems=(f"{e.key}: {e}",))
     split = TPSplit("factory", "the planned layers' widths", tp_widths(model))
-    return ModelFacts(len(model.blocks), bool(model.tp_plan), (split,) if split.widths else ())
+    return ModelFacts(
+        len(model.block_names),
+        bool(model.tp_plan),
+        (split,) if split.widths else (),
+        cuttable=model.sequential,
+    )

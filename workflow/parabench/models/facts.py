@@ -20,7 +20,7 @@ DEFAULTS: dict[str, dict] = {
     "seqnet": {"dims": [784, 200, 200, 10]},
     "resmlp": {"d_in": 256, "width": 256, "depth": 8, "classes": 10},
     "gpt": {"vocab": 50257, "seq_len": 1024, "n_layer": 12, "n_head": 12, "d_model": 768},
-    "custom": {"factory": None, "args": {}},
+    "custom": {"factory": None, "args": {}, "blocks": None},
 }
 PRESETS: tuple[str, ...] = ("mlp", "seqnet", "resmlp", "gpt")
 
@@ -51,6 +51,9 @@ class ModelFacts:
     has_tp_plan: bool  # the model declares layers for tensor parallelism
     tp_splits: tuple[TPSplit, ...] = ()
     problems: tuple[str, ...] = field(default=())  # "key: message", key under models.<name>
+    # An nn.Sequential of blocks, so stages can be cut between them; a module with a
+    # forward of its own (models.base.Model.sequential) cannot be cut.
+    cuttable: bool = True
 
     def tp_problem(self, devices: int) -> str | None:
         """Why tensor parallelism cannot split this model over `devices`, or None."""

@@ -32,7 +32,7 @@ def build(model: Model, spec: RunSpec, ctx: Context) -> Strategy:
         # has wrapped the model, so no shape probe in a constructor compiles on the
         # wrong device; the forward only, so wrappers' hooks (FSDP's all-gather, DDP's)
         # stay outside the compiled region; in place, so parameter names do not change.
-        for block in model.blocks:
+        for block in model.blocks() or [model.module]:
             block.forward = torch.compile(block.forward)
     return strategy
 

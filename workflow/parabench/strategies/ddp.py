@@ -16,7 +16,7 @@ from parabench.strategies.base import Strategy, cpu_params, make_optimizer, trai
 
 
 def wrap_ddp(model: Model, ctx: Context) -> DDP:
-    module = model.blocks.to(ctx.device)
+    module = model.module.to(ctx.device)
     # On CPU, device_ids must be None: the module stays where it is.
     ids = [ctx.device.index] if ctx.device.type == "cuda" else None
     return DDP(module, device_ids=ids, process_group=ctx.group)

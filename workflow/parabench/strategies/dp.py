@@ -30,7 +30,7 @@ class DataParallel(Strategy):
 
     def __init__(self, model: Model, spec: RunSpec, ctx: Context) -> None:
         super().__init__(model, spec, ctx)
-        inner = model.blocks.to(ctx.device)
+        inner = model.module.to(ctx.device)
         ids = list(range(spec.devices)) if ctx.device.type == "cuda" else None
         self.module = nn.DataParallel(inner, device_ids=ids)
         self.opt = make_optimizer(self.module.parameters(), spec)

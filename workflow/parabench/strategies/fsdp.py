@@ -27,13 +27,13 @@ class FullyShard(Strategy):
     def __init__(self, model: Model, spec: RunSpec, ctx: Context) -> None:
         super().__init__(model, spec, ctx)
         mesh = ctx.mesh()
-        blocks = model.blocks.to(ctx.device)
+        module = model.module.to(ctx.device)
         reshard = spec.option("reshard_after_forward")
-        for block in blocks:  # one all-gather / reduce-scatter unit per block
+        for block in model.blocks():  # one all-gather / reduce-scatter unit per block
             fully_shard(block, mesh=mesh, reshard_after_forward=reshard)
-        fully_shard(blocks, mesh=mesh, reshard_after_forward=reshard)
-        self.module = blocks
-        self.opt = make_optimizer(blocks.parameters(), spec)
+        fully_shard(module, mesh=mesh, reshard_after_forward=reshard)  # what is left
+        self.module = module
+        self.opt = make_optimizer(module.parameters(), spec)
 
     @property
     def shard(self) -> Shard:

@@ -27,7 +27,7 @@ class GradAccum(Strategy):
         super().__init__(model, spec, ctx)
         self.k = spec.option("accum_steps")
         self.ddp = ctx.world_size > 1
-        self.module = wrap_ddp(model, ctx) if self.ddp else model.blocks.to(ctx.device)
+        self.module = wrap_ddp(model, ctx) if self.ddp else model.module.to(ctx.device)
         self.opt = make_optimizer(self.module.parameters(), spec)
 
     @property

@@ -49,7 +49,7 @@ class ModelParallel(Strategy):
             self._devices = [ctx.device] * n
             self.emulated = n > 1
         self.stage_cuts = stage_cuts(model, n)
-        stages = [stage_module(model.blocks, lo, hi) for lo, hi in self.stage_cuts]
+        stages = [stage_module(model.module, lo, hi) for lo, hi in self.stage_cuts]
         self.module = Staged(stages, self._devices)
         self.opt = make_optimizer(self.module.parameters(), spec)
 

@@ -63,7 +63,7 @@ class Pipeline(Strategy):
         self.first, self.last = r == 0, r == n - 1
         self.stage_cuts = stage_cuts(model, n)
         lo, hi = self.stage_cuts[r]
-        cpu_stage = stage_module(model.blocks, lo, hi)
+        cpu_stage = stage_module(model.module, lo, hi)
 
         # Static example tensors: shape inference would run the loss on uninitialised
         # data (BCELoss then fails about half the time). Tensors a gradient flows through
@@ -74,7 +74,7 @@ class Pipeline(Strategy):
         with torch.no_grad():
             act = example_batch(model, micro)[0]
             for i in range(lo):
-                act = model.blocks[i](act)
+                act = model.module[i](act)
             example_in = act.clone()
             example_out = cpu_stage(act)
         self.module = cpu_stage.to(ctx.device)

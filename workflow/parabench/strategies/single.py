@@ -15,7 +15,7 @@ class Single(Strategy):
 
     def __init__(self, model: Model, spec: RunSpec, ctx: Context) -> None:
         super().__init__(model, spec, ctx)
-        self.module = model.blocks.to(ctx.device)
+        self.module = model.module.to(ctx.device)
         self.opt = make_optimizer(self.module.parameters(), spec)
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

@@ -32,7 +32,7 @@ class TensorParallel(Strategy):
     def __init__(self, model: Model, spec: RunSpec, ctx: Context) -> None:
         super().__init__(model, spec, ctx)
         mesh = ctx.mesh()
-        blocks = model.blocks.to(ctx.device)
+        blocks = model.module.to(ctx.device)
         plan = {
             fqn: STYLES[style]() if isinstance(style, str) else style  # a custom ParallelStyle
             for fqn, style in model.tp_plan.items()
