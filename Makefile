@@ -13,6 +13,8 @@ CORES  ?= 1
 ARGS   ?=
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.parabench-installed
+# The tests' extra (transformers for arch: hf), which the default run does not need.
+HF_STAMP := $(VENV)/.parabench-hf-installed
 
 # The GPU check runs with whatever python has a CUDA torch: the venv's if there is one,
 # else python3 (a GPU image with torch but no Snakemake needs nothing else).
@@ -26,6 +28,10 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q -e ".[workflow,dev]"
 	touch $@
 
+$(HF_STAMP): $(STAMP)
+	$(BIN)/python -m pip install -q -e ".[workflow,dev,hf]"
+	touch $@
+
 run: $(STAMP)
 	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/snakemake --cores $(CORES) $(ARGS)
 	@echo "report: results/report.html"
@@ -37,7 +43,7 @@ lint: $(STAMP)
 	$(BIN)/snakefmt --check Snakefile workflow/rules/
 	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/snakemake --lint
 
-test: $(STAMP) lint
+test: $(STAMP) $(HF_STAMP) lint
 	tests/setup-system.sh
 	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python -m pytest -q -ra
 

@@ -93,7 +93,9 @@ def _combination(spec: RunSpec, facts: models.ModelFacts) -> list[str]:
         out.append(
             f"models.{name}.batch_size: global batch {spec.global_batch} is not divisible by {what}"
         )
-    if rec.needs_tp_plan and not facts.has_tp_plan:
+    if rec.needs_tp_plan and facts.tp_skip:
+        pass  # a model tensor parallelism cannot split: skipped (static_skip_reason)
+    elif rec.needs_tp_plan and not facts.has_tp_plan:
         out.append(
             f"strategies: {spec.strategy} needs a tensor-parallel plan, and "
             f"models.{name} declares none (a custom factory returns tp_plan)"
@@ -134,6 +136,8 @@ def static_skip_reason(spec: RunSpec) -> str | None:
         )
     if spec.compile and not rec.compiles:
         return f"torch.compile does not compose with {rec.label} (compile: true)"
+    if rec.needs_tp_plan and (why := models.facts(spec.model).tp_skip):
+        return f"{spec.strategy}: {why}"
     if rec.cuts_model and not models.facts(spec.model).cuttable:
         return (
             f"{spec.strategy} cuts stages between the blocks of an nn.Sequential, and "

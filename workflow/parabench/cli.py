@@ -207,6 +207,14 @@ def preload(argv: list[str]) -> None:
 
         if args.strategy in CATALOG:
             strategies.get(args.strategy)
+        try:
+            model = specs.from_namespace(args).model
+        except ValueError:  # the ranks will say why
+            return
+        if model.arch == "hf":  # transformers and the model's own module
+            from parabench.models import hf
+
+            hf.preload(model)
     elif args.command == "collectives":
         from parabench import collectives  # noqa: F401
 

@@ -30,9 +30,19 @@ def _fwd_bwd(module: nn.Module, x: torch.Tensor, loss) -> int:
 
 def step_flops(model: Model, batch: int) -> int:
     """FLOPs of forward + backward of the whole model on `batch` samples (meta tensors:
-    shapes only, no memory, no compute)."""
-    meta = copy.deepcopy(model.module).to("meta")
-    return _fwd_bwd(meta, _meta_input(model, batch), lambda out: out.sum())
+    shapes only, no memory, no compute). A forward that reads its tensors' values (a
+    transformers model builds its attention mask so) cannot run on meta tensors: it is
+    counted on one real sample on the CPU, times the batch (a step's FLOPs are the sum
+    of its samples'), and its gradients are dropped after."""
+    try:
+        meta = copy.deepcopy(model.module).to("meta")
+        return _fwd_bwd(meta, _meta_input(model, batch), lambda out: out.sum())
+    except RuntimeError:
+        x = example_batch(model, 1)[0]
+        try:
+            return batch * _fwd_bwd(model.module, x, lambda out: out.float().sum())
+        finally:
+            model.module.zero_grad(set_to_none=True)
 
 
 def block_flops(model: Model, batch: int = 8) -> list[int]:
@@ -64,11 +74,19 @@ def activation_bytes_per_sample(model: Model, element_bytes: int = 4) -> float:
         outs = output if isinstance(output, tuple | list) else (output,)
         total[0] += sum(o.numel() for o in outs if isinstance(o, torch.Tensor))
 
-    handles = [m.register_forward_hook(hook) for m in meta.modules() if not list(m.children())]
+    def count(module: nn.Module, x: torch.Tensor) -> None:
+        leaves = [m for m in module.modules() if not list(m.children())]
+        handles = [m.register_forward_hook(hook) for m in leaves]
+        try:
+            with torch.no_grad():
+                module(x)
+        finally:
+            for h in handles:
+                h.remove()
+
     try:
-        with torch.no_grad():
-            meta(_meta_input(model, 2))
-    finally:
-        for h in handles:
-            h.remove()
+        count(meta, _meta_input(model, 2))
+    except RuntimeError:  # a forward that reads values (as in step_flops): real samples
+        total[0] = 0
+        count(model.module, example_batch(model, 2)[0])
     return total[0] * element_bytes / 2

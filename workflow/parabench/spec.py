@@ -61,6 +61,8 @@ class ModelSpec:
             raise ValueError(f"model arch {arch!r} has no size keys {sorted(unknown)}")
         if arch == "custom" and not isinstance(sizes.get("factory"), str):
             raise ValueError("arch custom needs factory: 'module.path:function'")
+        if arch == "hf" and not isinstance(sizes.get("model_type"), str):
+            raise ValueError("arch hf needs model_type: a transformers model type, e.g. llama")
         return cls(arch, tuple(sorted((k, _freeze(v)) for k, v in sizes.items())))
 
     def size_dict(self) -> dict:

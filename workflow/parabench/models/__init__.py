@@ -31,6 +31,10 @@ def facts(spec: ModelSpec) -> ModelFacts:
         from parabench.models.custom import inspect_factory
 
         return inspect_factory(spec)
+    if spec.arch == "hf":
+        from parabench.models import hf
+
+        return hf.facts(spec)
     return preset_facts(spec.arch, spec.size_dict())
 
 
@@ -44,6 +48,10 @@ def build(spec: ModelSpec, seed: int) -> Model:
         from parabench.models.custom import build_custom
 
         return build_custom(spec)
+    if spec.arch == "hf":
+        from parabench.models import hf
+
+        return hf.build(spec)
     from parabench.models.presets import PRESET_BUILDERS
 
     return PRESET_BUILDERS[spec.arch](spec.size_dict())

@@ -21,6 +21,7 @@ DEFAULTS: dict[str, dict] = {
     "resmlp": {"d_in": 256, "width": 256, "depth": 8, "classes": 10},
     "gpt": {"vocab": 50257, "seq_len": 1024, "n_layer": 12, "n_head": 12, "d_model": 768},
     "custom": {"factory": None, "args": {}, "blocks": None},
+    "hf": {"model_type": None, "config": {}, "seq_len": 128, "blocks": None},
 }
 PRESETS: tuple[str, ...] = ("mlp", "seqnet", "resmlp", "gpt")
 
@@ -54,6 +55,9 @@ class ModelFacts:
     # An nn.Sequential of blocks, so stages can be cut between them; a module with a
     # forward of its own (models.base.Model.sequential) cannot be cut.
     cuttable: bool = True
+    # Why tensor parallelism cannot apply to this model at all (its cells are skipped
+    # with it), where a model without a plan is not a mistake in the config.
+    tp_skip: str | None = None
 
     def tp_problem(self, devices: int) -> str | None:
         """Why tensor parallelism cannot split this model over `devices`, or None."""

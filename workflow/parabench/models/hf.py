@@ -1,0 +1,182 @@
+"""A Hugging Face transformers model as people train it: `arch: hf`.
+
+    models:
+      llama:
+        arch: hf
+        model_type: llama                 # any model type AutoConfig knows
+        config: {hidden_size: 256, num_hidden_layers: 4, num_attention_heads: 4,
+                 num_key_value_heads: 2, intermediate_size: 512, vocab_size: 1024}
+        seq_len: 128
+        batch_size: 16
+
+The model is built from its config (`AutoConfig.for_model`, `from_config`): no weights,
+no network; its weights are drawn from the cell's seed, so every strategy starts alike.
+It runs unchanged: its own forward, its own loss (`loss_function`, the next-token
+cross-entropy: the labels are the input ids, shifted inside), its own blocks (the
+classes in `_no_split_modules`, FSDP's units), its own tensor-parallel plan
+(`base_model_tp_plan`, its column- and row-wise layers). The batch is token ids drawn
+from the config's vocabulary. parabench calls it through `CausalLM`, which asks for
+the logits only (no cache).
+
+Planning reads the config alone (`facts`): a 70B config is checked without building
+it. transformers is an optional extra (`pip install .[hf]`), imported only here.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING
+
+from parabench.models.facts import ModelFacts, TPSplit
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+    from parabench.models.base import Model
+    from parabench.spec import ModelSpec
+
+INSTALL = "arch hf needs transformers: pip install '.[hf]' (or pip install transformers)"
+# The styles of a transformers plan that are parabench's own (strategies/tp.py);
+# the others (embedding, gathered head) keep those layers whole on every rank.
+STYLES = ("colwise", "rowwise")
+
+
+class HFError(ValueError):
+    """The config cannot give a transformers model."""
+
+
+def _config(spec: ModelSpec):
+    sizes = spec.size_dict()
+    try:
+        from transformers import AutoConfig
+    except ImportError:
+        raise HFError(INSTALL) from None
+    try:
+        config = AutoConfig.for_model(sizes["model_type"], **(sizes.get("config") or {}))
+    except (ValueError, TypeError, KeyError) as e:
+        raise HFError(f"model_type {sizes['model_type']!r}: {e}") from None
+    config.use_cache = False  # training: no key/value cache in the outputs
+    return config
+
+
+def _layers(config) -> int:
+    return int(getattr(config, "num_hidden_layers", 0) or getattr(config, "n_layer", 0))
+
+
+def _plan_widths(config) -> tuple[int, ...]:
+    """What the config's plan splits over the ranks: attention heads, key/value heads
+    and the MLP's width."""
+    names = ("num_attention_heads", "num_key_value_heads", "intermediate_size")
+    return tuple(dict.fromkeys(int(v) for n in names if (v := getattr(config, n, None))))
+
+
+@functools.cache
+def facts(spec: ModelSpec) -> ModelFacts:
+    """What planning needs, from the config alone."""
+    try:
+        config = _config(spec)
+    except HFError as e:
+        key = "arch" if str(e) == INSTALL else "model_type"
+        return ModelFacts(0, False, problems=(f"{key}: {e}",))
+    plan = {k: v for k, v in (config.base_model_tp_plan or {}).items() if v in STYLES}
+    what = "attention heads, key/value heads and MLP width"
+    split = TPSplit("config", what, _plan_widths(config))
+    why = None
+    if not plan:
+        why = (
+            f"transformers' {config.model_type} declares no tensor-parallel plan of "
+            "column- and row-wise nn.Linear layers (base_model_tp_plan)"
+        )
+        if config.model_type == "gpt2":
+            why += "; its projections are Conv1D, whose weight is transposed"
+    return ModelFacts(
+        _layers(config), bool(plan), (split,) if plan else (), cuttable=False, tp_skip=why
+    )
+
+
+def _causal_lm():
+    from torch import nn
+
+    class CausalLM(nn.Module):
+        """The model, asked for its logits only; its parameters are under `hf.`."""
+
+        def __init__(self, hf: nn.Module) -> None:
+            super().__init__()
+            self.hf = hf
+
+        def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+            return self.hf(input_ids=input_ids, use_cache=False).logits
+
+    return CausalLM
+
+
+def build(spec: ModelSpec) -> Model:
+    """The model from its config, weights from torch's seeded generator (the caller
+    seeded it)."""
+    import torch
+
+    from parabench.models.base import Model
+    from parabench.models.custom import find_blocks
+
+    config = _config(spec)
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_config(config)
+    hf.train()
+    module = _causal_lm()(hf)
+    sizes = spec.size_dict()
+    vocab, seq_len = int(config.vocab_size), int(sizes["seq_len"])
+    if sizes.get("blocks"):
+        names = find_blocks(module, f"hf.{sizes['blocks']}")
+    else:
+        kinds = set(getattr(hf, "_no_split_modules", None) or ())
+        names = tuple(n for n, m in module.named_modules() if type(m).__name__ in kinds)
+        names = names or find_blocks(module)
+
+    def loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return hf.loss_function(logits=logits, labels=labels, vocab_size=vocab)
+
+    def batch(n: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        ids = torch.randint(0, vocab, (n, seq_len), generator=generator)
+        return ids, ids  # the model shifts the labels: each token predicts the next
+
+    return Model(
+        module,
+        loss,
+        batch,
+        tp_plan(module, config),
+        device_batches=False,
+        tokens_per_sample=seq_len,
+        block_names=names,
+    )
+
+
+def tp_plan(module: nn.Module, config) -> dict[str, str]:
+    """The config's plan (names relative to the base model, `*` for each block) as
+    parabench's: every matching module's full name -> colwise | rowwise."""
+    import fnmatch
+
+    base = f"hf.{module.hf.base_model_prefix}."
+    plan = {k: v for k, v in (config.base_model_tp_plan or {}).items() if v in STYLES}
+    out = {}
+    for name, _ in module.named_modules():
+        rel = name.removeprefix(base)
+        for pattern, style in plan.items():
+            if name.startswith(base) and fnmatch.fnmatchcase(rel, pattern):
+                out[name] = style
+    return out
+
+
+def preload(spec: ModelSpec) -> None:
+    """Import what building the model will (a torchrun agent does, before forking)."""
+    try:
+        from transformers import AutoModelForCausalLM
+    except ImportError:
+        return
+    try:
+        AutoModelForCausalLM.from_config  # noqa: B018 (resolves the lazy module)
+        config = _config(spec)
+        AutoModelForCausalLM._model_mapping[type(config)]  # imports the model's module
+    except (HFError, KeyError, AttributeError):
+        pass
