@@ -3,6 +3,7 @@ launching real cells (torchrun ranks where the strategy has them)."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
@@ -170,3 +171,119 @@ def planned_outputs(proc: subprocess.CompletedProcess) -> list[str]:
         for line in proc.stdout.splitlines()
         if line.strip().startswith("output:")
     ]
+
+
+# Hugging Face models from small configs (no weights, no network). GPT-2's dropout
+# draws random masks, which no two strategies draw alike: off, as for any equivalence
+# check (the report would name it otherwise).
+LLAMA = {
+    "arch": "hf",
+    "model_type": "llama",
+    "seq_len": 32,
+    "batch_size": 8,
+    "config": {
+        "vocab_size": 256,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 64,
+    },
+}
+GPT2 = {
+    "arch": "hf",
+    "model_type": "gpt2",
+    "seq_len": 32,
+    "batch_size": 8,
+    "config": {
+        "vocab_size": 256,
+        "n_embd": 64,
+        "n_layer": 2,
+        "n_head": 4,
+        "n_positions": 64,
+        "resid_pdrop": 0.0,
+        "embd_pdrop": 0.0,
+        "attn_pdrop": 0.0,
+    },
+}
+HF_INSTALLED = importlib.util.find_spec("transformers") is not None
+
+# Users' own models in one sweep (each sweep pays Snakemake, the collectives benchmark,
+# aggregation and the report once): examples/my_model.py's Sequential, its module with a
+# forward of its own and its BatchNorm variant; with transformers, Llama and GPT-2.
+OWN_MODELS = {
+    "device": "cpu",
+    "models": {
+        "mine": {
+            "arch": "custom",
+            "factory": "my_model:build",
+            "args": {"width": 32, "depth": 4},
+            "batch_size": 64,
+            "strategies": ["single", "ddp", "pipeline"],
+        },
+        "mine_module": {
+            "arch": "custom",
+            "factory": "my_model:build_module",
+            "args": {"width": 32, "depth": 3},
+            "batch_size": 64,
+            "strategies": ["single", "ddp", "zero1", "fsdp", "tp", "grad_accum", "pipeline"],
+            "devices": [2],  # single runs at 1 device whatever the list
+        },
+        "mine_bn": {
+            "arch": "custom",
+            "factory": "my_model:build",
+            "args": {"width": 32, "depth": 2, "batchnorm": True},
+            "batch_size": 64,
+            "strategies": ["single", "ddp"],
+        },
+        **(
+            {
+                "llama": {
+                    **LLAMA,
+                    "strategies": [
+                        "single",
+                        "ddp",
+                        "zero1",
+                        "fsdp",
+                        "tp",
+                        "grad_accum",
+                        "pipeline",
+                    ],
+                    "devices": [2],
+                },
+                # what differs from Llama: tied embeddings, Conv1D (no TP), no plan
+                "gpt2": {
+                    **GPT2,
+                    "strategies": ["single", "ddp", "fsdp", "tp", "pipeline"],
+                    "devices": [2],
+                },
+            }
+            if HF_INSTALLED
+            else {}
+        ),
+    },
+    "devices": [1, 2],
+    "repeats": 1,
+    "steps": 6,
+    "warmup": 1,
+    "lr": 0.5,
+    "timeout_s": 60,
+    "cell_timeout_s": 240,
+    "plan": {"enabled": False},
+    "collectives": {"message_bytes": [65536]},  # a point of the curve is enough here
+}
+
+
+@pytest.fixture(scope="session")
+def own_models_sweep(tmp_path_factory):
+    """(workdir, summary indexed by model, strategy, devices) of the OWN_MODELS sweep,
+    with examples/my_model.py copied next to its config, as a user would."""
+    import pandas as pd
+
+    work = tmp_path_factory.mktemp("own_models")
+    shutil.copy(REPO / "examples" / "my_model.py", work / "my_model.py")
+    proc = snakemake(work, "--cores", "2", config=OWN_MODELS)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    summary = pd.read_csv(work / "results/summary.csv")
+    return work, summary.set_index(["model", "strategy", "devices"])

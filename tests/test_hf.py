@@ -7,52 +7,16 @@ import json
 import subprocess
 import sys
 
-import pandas as pd
 import pytest
 import torch
 
-from conftest import REPO, snakemake
+from conftest import GPT2, LLAMA, REPO
 
 transformers = pytest.importorskip("transformers")
 
 from parabench import models  # noqa: E402
 from parabench.config import problems  # noqa: E402
 from parabench.spec import ModelSpec  # noqa: E402
-
-LLAMA = {
-    "arch": "hf",
-    "model_type": "llama",
-    "seq_len": 32,
-    "batch_size": 8,
-    "config": {
-        "vocab_size": 256,
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "max_position_embeddings": 64,
-    },
-}
-# GPT-2's dropout draws random masks, which no two strategies draw alike: off, as for
-# any equivalence check (the report would name it otherwise).
-GPT2 = {
-    "arch": "hf",
-    "model_type": "gpt2",
-    "seq_len": 32,
-    "batch_size": 8,
-    "config": {
-        "vocab_size": 256,
-        "n_embd": 64,
-        "n_layer": 2,
-        "n_head": 4,
-        "n_positions": 64,
-        "resid_pdrop": 0.0,
-        "embd_pdrop": 0.0,
-        "attn_pdrop": 0.0,
-    },
-}
-STRATEGIES = ["single", "ddp", "zero1", "fsdp", "tp", "grad_accum", "pipeline"]
 
 
 def spec_of(entry: dict) -> ModelSpec:
@@ -116,42 +80,30 @@ print("transformers" in sys.modules)
 
 
 @pytest.mark.slow
-def test_llama_and_gpt2_run_every_strategy_that_applies_with_the_same_maths(tmp_path):
-    config = {
-        "device": "cpu",
-        "models": {"llama": LLAMA, "gpt2": GPT2},
-        "strategies": STRATEGIES,
-        "devices": [2],
-        "repeats": 1,
-        "steps": 6,
-        "warmup": 1,
-        "profile_steps": 3,
-        "lr": 0.5,
-        "timeout_s": 60,
-        "cell_timeout_s": 240,
-        "plan": {"enabled": False},
+def test_llama_and_gpt2_run_every_strategy_that_applies_with_the_same_maths(own_models_sweep):
+    """In the sweep of users' own models (conftest.OWN_MODELS), at 2 devices: Llama
+    under every data-parallel, sharded and tensor-parallel strategy; GPT-2 (tied
+    embeddings, Conv1D) under those its layers allow."""
+    work, s = own_models_sweep
+    ran = {
+        "llama": ["single", "ddp", "zero1", "fsdp", "tp", "grad_accum"],
+        "gpt2": ["single", "ddp", "fsdp"],
     }
-    proc = snakemake(tmp_path, "--cores", "1", config=config)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    s = pd.read_csv(tmp_path / "results/summary.csv").set_index(["model", "strategy"])
-    for model in ("llama", "gpt2"):
-        ran = ["single", "ddp", "zero1", "fsdp", "grad_accum"] + (
-            ["tp"] if model == "llama" else []
-        )
-        for strategy in ran:
-            row = s.loc[(model, strategy)]
+    for model, strategies in ran.items():
+        for strategy in strategies:
+            row = s.loc[(model, strategy, 1 if strategy == "single" else 2)]
             assert row["status"] == "ok", (model, strategy, row["reason"])
             # fp32 + SGD: the same parameters as single within 1e-5
             assert str(row["equivalent"]) == "True", (model, strategy, row["rel_param_diff"])
             assert row["max_abs_param_diff"] <= 1e-5, (model, strategy)
             assert row["flops_per_step"] > 0 and row["tokens_per_s"] > 0
         # FSDP: one unit per decoder layer and the root (embeddings, final norm, head)
-        fsdp = json.loads(s.loc[(model, "fsdp"), "comm_by_op"])
+        fsdp = json.loads(s.loc[(model, "fsdp", 2), "comm_by_op"])
         assert fsdp["reduce_scatter"]["count"] == 2 + 1
-        pipeline = s.loc[(model, "pipeline")]
+        pipeline = s.loc[(model, "pipeline", 2)]
         assert pipeline["status"] == "skipped"
         assert "no stage can be cut from it" in pipeline["reason"]
-    tp = s.loc[("gpt2", "tp")]
+    tp = s.loc[("gpt2", "tp", 2)]
     assert tp["status"] == "skipped" and "Conv1D" in tp["reason"]
-    html = (tmp_path / "results/report.html").read_text()
+    html = (work / "results/report.html").read_text()
     assert "Conv1D" in html

@@ -227,11 +227,9 @@ def _run(spec: specs.RunSpec, out: Path) -> int:
         print("parabench: invalid cell: " + "; ".join(problems), file=sys.stderr)
         return 2
     if reason := checks.static_skip_reason(spec):
-        from parabench import envinfo, records
+        from parabench.launch import record_skip
 
-        fields = spec.record_fields()
-        env = envinfo.base()
-        records.write_outcome(out, "skipped", reason, **fields, env=env, device_type=spec.device)
+        record_skip(spec, out, reason)
         return 0
     from parabench.cell import run_cell
 

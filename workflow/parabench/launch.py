@@ -36,12 +36,8 @@ def _torchrun(python: str, nproc: int) -> list[str]:
 
 def cell_argv(spec: RunSpec, out: Path | str, python: str = "python") -> list[str]:
     """`python [-m parabench.torchrun ...] -m parabench run <spec> --out <out>` on
-    one node; across nodes (spec.nodes > 1, several ranks), see `multinode_argv`. A
-    cell the settings alone skip is one plain process, which records why."""
-    from parabench.checks import static_skip_reason
-
-    ranks = 1 if static_skip_reason(spec) else spec.ranks
-    head = _torchrun(python, ranks) if ranks > 1 else [python]
+    one node; across nodes (spec.nodes > 1, several ranks), see `multinode_argv`."""
+    head = _torchrun(python, spec.ranks) if spec.ranks > 1 else [python]
     return [*head, "-m", "parabench", "run", *spec.to_argv(), "--out", str(out)]
 
 
@@ -123,11 +119,25 @@ def launch_cell(spec: RunSpec, out: Path, cell_timeout_s: float) -> int:
     from parabench.checks import static_skip_reason
     from parabench.guard import guard
 
+    if reason := static_skip_reason(spec):  # the settings alone say: nothing to start
+        print(f"parabench launch: skipped, no process started: {reason}", flush=True)
+        record_skip(spec, out, reason)
+        return 0
     python = sys.executable
-    # A one-process strategy cannot span nodes: started plainly, it records that skip.
-    across = spec.nodes > 1 and spec.ranks > 1 and not static_skip_reason(spec)
+    across = spec.nodes > 1 and spec.ranks > 1
     argv = multinode_argv(spec, out, python) if across else cell_argv(spec, out, python)
     return guard(out, argv, cell_timeout_s, spec.record_fields(), ranks=spec.ranks)
+
+
+def record_skip(spec: RunSpec, out: Path, reason: str) -> None:
+    """The record of a cell its settings skip (checks.static_skip_reason)."""
+    from parabench import envinfo, records
+
+    out.mkdir(parents=True, exist_ok=True)
+    fields = spec.record_fields()
+    records.write_outcome(
+        out, "skipped", reason, **fields, env=envinfo.base(), device_type=spec.device
+    )
 
 
 def launch_collectives(
