@@ -36,6 +36,17 @@ def test_a_transformers_model_keeps_its_own_blocks_plan_and_loss():
     loss = llama.loss_fn(llama.module(x), y)
     assert loss.dim() == 0 and 4.0 < float(loss.detach()) < 7.0  # about ln(256) = 5.5 at init
 
+    # FLOPs with attention: sdpa's CPU kernel has no formula in torch's counter, so
+    # the count runs on eager attention and exceeds what counting the model itself sees
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from parabench.flops import step_flops
+
+    with FlopCounterMode(display=False) as seen:
+        llama.module(x[:1]).sum().backward()
+    llama.module.zero_grad(set_to_none=True)
+    assert step_flops(llama, 1) > seen.get_total_flops()
+
     gpt2 = models.facts(spec_of(GPT2))
     assert gpt2.n_blocks == 2 and not gpt2.cuttable
     assert "Conv1D" in gpt2.tp_skip
@@ -50,6 +61,12 @@ def test_a_bad_hf_model_is_one_error_naming_the_key():
     cfg = {"models": {"mine": bad}, "strategies": ["single"], "devices": [1], "repeats": 1}
     found = problems(cfg)
     assert len(found) == 1 and found[0].startswith("models.mine.model_type: "), found
+    typo = {**LLAMA, "config": {**LLAMA["config"], "num_hiden_layers": 1}}
+    cfg = {"models": {"mine": typo}, "strategies": ["single"], "devices": [1], "repeats": 1}
+    assert problems(cfg) == [
+        "models.mine.model_type: model_type 'llama' has no config keys ['num_hiden_layers'] "
+        "(a typo would give a default-size model)"
+    ]
     heads = {**LLAMA, "config": {**LLAMA["config"], "num_key_value_heads": 3}}
     cfg = {"models": {"mine": heads}, "strategies": ["tp"], "devices": [2], "repeats": 1}
     assert any("do not divide by 2" in p for p in problems(cfg)), problems(cfg)

@@ -182,13 +182,15 @@ from torch import nn
 class Net(nn.Module):
     def __init__(self):
         super().__init__()
-        self.stem = nn.ModuleList([nn.Linear(8, 8), nn.ReLU()])  # two classes: not blocks
+        # the longest list, but of two classes: not blocks
+        self.stem = nn.ModuleList([nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU()])
+        self.heads = nn.ModuleList(nn.Identity() for _ in range(5))  # one class, no weights
         self.body = nn.Module()
         self.body.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
         self.head = nn.Linear(8, 4)
 
     def forward(self, x):
-        for m in [*self.stem, *self.body.layers]:
+        for m in [*self.stem, *self.heads, *self.body.layers]:
             x = m(x)
         return self.head(x)
 
@@ -203,7 +205,7 @@ def build():
     "blocks, found, problem",
     [
         (None, ("body.layers.0", "body.layers.1", "body.layers.2"), None),
-        ("stem", ("stem.0", "stem.1"), None),  # named: taken as the user says
+        ("stem", ("stem.0", "stem.1", "stem.2", "stem.3"), None),  # named: as the user says
         ("body.nope", (), "models.mine.blocks: 'body.nope' is not a module of the model"),
         ("head", (), "models.mine.blocks: 'head' (Linear) holds no blocks"),
     ],

@@ -39,10 +39,11 @@ def step_flops(model: Model, batch: int) -> int:
         return _fwd_bwd(meta, _meta_input(model, batch), lambda out: out.sum())
     except RuntimeError:
         x = example_batch(model, 1)[0]
+        module = model.counting_module() if model.counting_module else model.module
         try:
-            return batch * _fwd_bwd(model.module, x, lambda out: out.float().sum())
+            return batch * _fwd_bwd(module, x, lambda out: out.float().sum())
         finally:
-            model.module.zero_grad(set_to_none=True)
+            module.zero_grad(set_to_none=True)
 
 
 def block_flops(model: Model, batch: int = 8) -> list[int]:

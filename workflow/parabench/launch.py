@@ -119,7 +119,11 @@ def launch_cell(spec: RunSpec, out: Path, cell_timeout_s: float) -> int:
     from parabench.checks import static_skip_reason
     from parabench.guard import guard
 
-    if reason := static_skip_reason(spec):  # the settings alone say: nothing to start
+    try:  # a custom model's facts run its factory: what fails is left to the guarded cell
+        reason = static_skip_reason(spec)
+    except Exception:
+        reason = None
+    if reason:  # the settings alone say: nothing to start
         print(f"parabench launch: skipped, no process started: {reason}", flush=True)
         record_skip(spec, out, reason)
         return 0

@@ -43,16 +43,22 @@ from parabench import cli
 # names the lowest rank among those it finds dead in one poll (every 0.1 s).
 FAILED_RANK_LINGER_S = 2.0
 
-# The handlers torchrun's agent replaces with its own (TORCHELASTIC_SIGNALS_TO_HANDLE's
-# default), as a new Python has them; read at import, before the agent starts.
-_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
-_FRESH_HANDLERS = {sig: signal.getsignal(sig) for sig in _SIGNALS}
+# Every handler as a new Python has it, read at import, before the agent installs its
+# own (TORCHELASTIC_SIGNALS_TO_HANDLE: SIGTERM, SIGINT, SIGHUP, SIGQUIT by default, any
+# signal by --signals-to-handle).
+_FRESH_HANDLERS = {
+    sig: handler
+    for sig in signal.valid_signals()
+    if (handler := signal.getsignal(sig)) is not None
+    and sig not in (signal.SIGKILL, signal.SIGSTOP)
+}
 
 
 def _rank(*argv: str) -> None:
     """A forked rank: what `python -m parabench <argv>` would run."""
     for sig, handler in _FRESH_HANDLERS.items():
-        signal.signal(sig, handler)
+        if signal.getsignal(sig) is not handler:
+            signal.signal(sig, handler)
     # As a rank's output reaches the log line by line when the agent spawns it (the
     # guard reads it through a pipe and names the last lines of a failure).
     sys.stdout.reconfigure(line_buffering=True)
@@ -88,11 +94,11 @@ def _forking(config_from_args: Callable) -> Callable:
 
 @record
 def main(argv: list[str] | None = None) -> None:
-    # Before anything asks whether CUDA is there: NVML answers without starting CUDA in
-    # the agent, which its forked ranks could then not use.
-    os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
     args = torchrun.parse_args(sys.argv[1:] if argv is None else argv)
     if args.module and args.training_script == "parabench" and args.nproc_per_node.isdigit():
+        # Before anything asks whether CUDA is there: NVML answers without starting
+        # CUDA in the agent, which its forked ranks could then not use.
+        os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
         # torchrun.run applies torchrun's rules to the arguments, then calls this.
         torchrun.config_from_args = _forking(torchrun.config_from_args)
     torchrun.run(args)

@@ -5,9 +5,10 @@
   importing torch; a custom model is imported, built and checked once (custom.py).
 - `build(spec, seed)`: the model itself, a `base.Model` (needs torch).
 
-Every model is an nn.Sequential of blocks plus a loss and a batch generator, so
-stages are cut between blocks and the rest of the package treats every model alike
-(base.py holds that contract). Presets: `mlp` (the seed MLP), `seqnet` (the DDP
+Every model is a module plus a loss and a batch generator, and the names of its
+repeated blocks (base.py holds that contract); stages are cut between the blocks of an
+nn.Sequential only. Custom models (custom.py) and transformers models (hf.py) keep the
+module their author wrote. Presets: `mlp` (the seed MLP), `seqnet` (the DDP
 tutorial's net), `resmlp` (uniform pre-norm residual MLP blocks) and `gpt` (a
 decoder-only transformer in nanoGPT's shape), in presets.py.
 """

@@ -34,6 +34,9 @@ class Model:
     tokens_per_sample: int = 0  # language models: tokens in one sample (throughput)
     # The repeated blocks' names in `module`; an nn.Sequential's are its children.
     block_names: tuple[str, ...] = ()
+    # A module of the same maths whose ops FlopCounterMode can all count, where the
+    # model's own has one it cannot (transformers' sdpa attention on CPU): flops.py.
+    counting_module: Callable[[], nn.Module] | None = None
 
     def __post_init__(self) -> None:
         if not self.block_names and self.sequential:

@@ -112,9 +112,9 @@ def build_custom(spec: ModelSpec) -> Model:
 
 def find_blocks(module: nn.Module, named: str | None = None) -> tuple[str, ...]:
     """The names of `module`'s repeated blocks: the children of the container `named`
-    (dotted, e.g. "model.layers"), else of its largest ModuleList whose children are all
-    of one class (the decoder layers of a transformer), else none: FSDP then shards the
-    module as one unit."""
+    (dotted, e.g. "model.layers"), else of the ModuleList of one class holding the most
+    parameters (the decoder layers of a transformer, not a layer's heads or experts),
+    else none: FSDP then shards the module as one unit."""
     if named:
         try:
             container = module.get_submodule(named)
@@ -125,10 +125,13 @@ def find_blocks(module: nn.Module, named: str | None = None) -> tuple[str, ...]:
             raise ValueError(f"{named!r} ({type(container).__name__}) holds no blocks")
         return tuple(children)
     best: tuple[str, ...] = ()
+    most = 0  # parameters: a layer's own list (heads, experts) holds fewer than the layers
     for prefix, sub in module.named_modules():
-        if not isinstance(sub, nn.ModuleList) or len(sub) <= len(best):
+        if not isinstance(sub, nn.ModuleList) or len({type(child) for child in sub}) != 1:
             continue
-        if len({type(child) for child in sub}) == 1:
+        held = sum(p.numel() for p in sub.parameters())
+        if held > most:
+            most = held
             best = tuple(f"{prefix}.{name}" if prefix else name for name, _ in sub.named_children())
     return best
 

@@ -52,10 +52,21 @@ def _config(spec: ModelSpec):
         from transformers import AutoConfig
     except ImportError:
         raise HFError(INSTALL) from None
+    overrides = sizes.get("config") or {}
     try:
-        config = AutoConfig.for_model(sizes["model_type"], **(sizes.get("config") or {}))
-    except (ValueError, TypeError, KeyError) as e:
-        raise HFError(f"model_type {sizes['model_type']!r}: {e}") from None
+        config = AutoConfig.for_model(sizes["model_type"], **overrides)
+    except Exception as e:  # unknown type, or the config's own validation
+        raise HFError(f"model_type {sizes['model_type']!r}: {type(e).__name__}: {e}") from None
+    known = set(type(config)().to_dict()) | set(getattr(config, "attribute_map", {}))
+    if unknown := sorted(set(overrides) - known):
+        raise HFError(
+            f"model_type {sizes['model_type']!r} has no config keys {unknown} "
+            f"(a typo would give a default-size model)"
+        )
+    from transformers import AutoModelForCausalLM
+
+    if type(config) not in AutoModelForCausalLM._model_mapping:
+        raise HFError(f"model_type {sizes['model_type']!r} has no causal language model")
     config.use_cache = False  # training: no key/value cache in the outputs
     return config
 
@@ -79,11 +90,18 @@ def facts(spec: ModelSpec) -> ModelFacts:
     except HFError as e:
         key = "arch" if str(e) == INSTALL else "model_type"
         return ModelFacts(0, False, problems=(f"{key}: {e}",))
-    plan = {k: v for k, v in (config.base_model_tp_plan or {}).items() if v in STYLES}
+    plan = dict(config.base_model_tp_plan or {})
     what = "attention heads, key/value heads and MLP width"
     split = TPSplit("config", what, _plan_widths(config))
     why = None
-    if not plan:
+    if other := sorted({v for v in plan.values() if v not in STYLES}):
+        # Dropping them would leave layers whose gradients TP must all-reduce (q/k
+        # norms) or whose partner is split: wrong maths, or a shape error.
+        why = (
+            f"transformers' {config.model_type} plan uses styles parabench does not apply "
+            f"({', '.join(other)}; it applies {' and '.join(STYLES)})"
+        )
+    elif not plan:
         why = (
             f"transformers' {config.model_type} declares no tensor-parallel plan of "
             "column- and row-wise nn.Linear layers (base_model_tp_plan)"
@@ -141,6 +159,15 @@ def build(spec: ModelSpec) -> Model:
         ids = torch.randint(0, vocab, (n, seq_len), generator=generator)
         return ids, ids  # the model shifts the labels: each token predicts the next
 
+    def counting_module() -> nn.Module:
+        """The same model with eager attention: torch's FLOP counter has no formula
+        for sdpa's CPU kernel, so its attention would count as free."""
+        import copy
+
+        eager = copy.deepcopy(hf)
+        eager.set_attn_implementation("eager")
+        return _causal_lm()(eager)
+
     return Model(
         module,
         loss,
@@ -149,6 +176,7 @@ def build(spec: ModelSpec) -> Model:
         device_batches=False,
         tokens_per_sample=seq_len,
         block_names=names,
+        counting_module=counting_module,
     )
 
 
@@ -160,11 +188,15 @@ def tp_plan(module: nn.Module, config) -> dict[str, str]:
     base = f"hf.{module.hf.base_model_prefix}."
     plan = {k: v for k, v in (config.base_model_tp_plan or {}).items() if v in STYLES}
     out = {}
-    for name, _ in module.named_modules():
-        rel = name.removeprefix(base)
-        for pattern, style in plan.items():
-            if name.startswith(base) and fnmatch.fnmatchcase(rel, pattern):
-                out[name] = style
+    for pattern, style in plan.items():
+        found = [
+            name
+            for name, _ in module.named_modules()
+            if name.startswith(base) and fnmatch.fnmatchcase(name.removeprefix(base), pattern)
+        ]
+        if not found:  # a plan that splits less than it says would run replicated
+            raise HFError(f"the tensor-parallel plan's {pattern!r} names no module under {base}")
+        out.update(dict.fromkeys(found, style))
     return out
 
 
