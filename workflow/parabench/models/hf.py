@@ -203,12 +203,9 @@ def tp_plan(module: nn.Module, config) -> dict[str, str]:
 def preload(spec: ModelSpec) -> None:
     """Import what building the model will (a torchrun agent does, before forking)."""
     try:
-        from transformers import AutoModelForCausalLM
-    except ImportError:
-        return
-    try:
-        AutoModelForCausalLM.from_config  # noqa: B018 (resolves the lazy module)
-        config = _config(spec)
-        AutoModelForCausalLM._model_mapping[type(config)]  # imports the model's module
-    except (HFError, KeyError, AttributeError):
-        pass
+        config = _config(spec)  # imports transformers (or says it is missing)
+    except HFError:
+        return  # the ranks will say why
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM._model_mapping[type(config)]  # imports the model's own module
