@@ -63,27 +63,32 @@ def build(
     return model
 
 
+class Block(nn.Module):
+    """A residual MLP block, its residual inside as in a transformer's layers."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.mlp = nn.Sequential(
+            nn.LayerNorm(width), nn.Linear(width, 2 * width), nn.GELU(), nn.Linear(2 * width, width)
+        )
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h + self.mlp(h)
+
+
 class ResidualNet(nn.Module):
     """A model as people write it: a forward of its own over a ModuleList of blocks."""
 
     def __init__(self, in_features: int, width: int, depth: int, classes: int) -> None:
         super().__init__()
         self.embed = nn.Linear(in_features, width)
-        self.layers = nn.ModuleList(
-            nn.Sequential(
-                nn.LayerNorm(width),
-                nn.Linear(width, 2 * width),
-                nn.GELU(),
-                nn.Linear(2 * width, width),
-            )
-            for _ in range(depth)
-        )
+        self.layers = nn.ModuleList(Block(width) for _ in range(depth))
         self.head = nn.Linear(width, classes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.embed(x)
         for layer in self.layers:
-            h = h + layer(h)
+            h = layer(h)
         return self.head(h)
 
 
@@ -92,8 +97,9 @@ def build_module(
 ) -> dict:
     """The same contract with `module=` in place of `blocks=`: any nn.Module, unchanged.
     parabench finds its repeated blocks (here `layers`, the largest ModuleList of one
-    class; the config key `blocks` can name them) and shards each as one FSDP unit.
-    Pipeline and model parallel cut an nn.Sequential only, so they skip this model."""
+    class; the config key `blocks` can name them) and shards each as one FSDP unit;
+    pipeline and model parallel cut stages between them, the embedding on the first
+    stage and the head on the last."""
     module = ResidualNet(in_features, width, depth, classes)
 
     def batch(n: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -103,5 +109,5 @@ def build_module(
 
     plan = {}
     for i in range(depth):  # each block's MLP: up-projection by columns, down by rows
-        plan[f"layers.{i}.1"], plan[f"layers.{i}.3"] = "colwise", "rowwise"
+        plan[f"layers.{i}.mlp.1"], plan[f"layers.{i}.mlp.3"] = "colwise", "rowwise"
     return {"module": module, "loss": nn.CrossEntropyLoss(), "batch": batch, "tp_plan": plan}

@@ -227,7 +227,16 @@ OWN_MODELS = {
             "factory": "my_model:build_module",
             "args": {"width": 32, "depth": 3},
             "batch_size": 64,
-            "strategies": ["single", "ddp", "zero1", "fsdp", "tp", "grad_accum", "pipeline"],
+            "strategies": [
+                "single",
+                "ddp",
+                "zero1",
+                "fsdp",
+                "tp",
+                "grad_accum",
+                "pipeline",
+                "model_parallel",
+            ],
             "devices": [2],  # single runs at 1 device whatever the list
         },
         "mine_bn": {
@@ -249,15 +258,27 @@ OWN_MODELS = {
                         "tp",
                         "grad_accum",
                         "pipeline",
+                        "model_parallel",
                     ],
                     "devices": [2],
                 },
-                # what differs from Llama: tied embeddings, Conv1D (no TP), no plan
+                # what differs from Llama: Conv1D (no TP, no plan); untied, so that
+                # stages can be cut (gpt2_tied: GPT-2 as it comes, tied, which no cut can take)
                 "gpt2": {
                     **GPT2,
-                    "strategies": ["single", "ddp", "fsdp", "tp", "pipeline"],
+                    "config": {**GPT2["config"], "tie_word_embeddings": False},
+                    "strategies": [
+                        "single",
+                        "ddp",
+                        "zero1",
+                        "fsdp",
+                        "tp",
+                        "grad_accum",
+                        "pipeline",
+                    ],
                     "devices": [2],
                 },
+                "gpt2_tied": {**GPT2, "strategies": ["pipeline", "model_parallel"], "devices": [2]},
             }
             if HF_INSTALLED
             else {}

@@ -30,12 +30,13 @@ def test_the_example_model_runs_everywhere_with_the_same_maths(run):
 
 
 def test_a_module_with_a_forward_of_its_own_runs_unchanged_with_the_same_maths(run):
-    """Found blocks (layers.0-2: FSDP's units), the same parameters as single for every
-    strategy that keeps the module whole; pipeline cannot cut it, and says so before
-    starting any rank."""
+    """Found blocks (layers.0-2: FSDP's units, what stages are cut between), the same
+    parameters as single under every strategy, the module's own forward run on each
+    pipeline stage and across model parallel's."""
     work, s = run
     for strategy, n in [("single", 1)] + [
-        (strategy, 2) for strategy in ("ddp", "zero1", "fsdp", "tp", "grad_accum")
+        (strategy, 2)
+        for strategy in ("ddp", "zero1", "fsdp", "tp", "grad_accum", "pipeline", "model_parallel")
     ]:
         row = s.loc[("mine_module", strategy, n)]
         assert row["status"] == "ok", (strategy, n, row["reason"])
@@ -44,11 +45,11 @@ def test_a_module_with_a_forward_of_its_own_runs_unchanged_with_the_same_maths(r
     # one FSDP unit per found block (layers.0-2) and the root: a reduce-scatter each
     fsdp = json.loads(s.loc[("mine_module", "fsdp", 2), "comm_by_op"])
     assert fsdp["reduce_scatter"]["count"] == 3 + 1
-    row = s.loc[("mine_module", "pipeline", 2)]
-    assert row["status"] == "skipped"
-    assert "cuts stages between the blocks of an nn.Sequential" in row["reason"]
-    log = (work / "results/logs/runs/mine_module/fp32-sgd/pipeline/n2/r0.log").read_text()
-    assert log.startswith("parabench launch: skipped, no process started: pipeline cuts")
+    # the embedding and one block on stage 0, two blocks and the head on stage 1
+    meta = json.loads(
+        (work / "results/runs/mine_module/fp32-sgd/pipeline/n2/r0/meta.json").read_text()
+    )
+    assert meta["stage_cuts"] == [[0, 1], [1, 3]], meta["stage_cuts"]
 
 
 def test_batchnorm_differs_under_ddp_and_the_report_says_why(run):

@@ -48,8 +48,9 @@ def test_a_transformers_model_keeps_its_own_blocks_plan_and_loss():
     assert step_flops(llama, 1) > seen.get_total_flops()
 
     gpt2 = models.facts(spec_of(GPT2))
-    assert gpt2.n_blocks == 2 and not gpt2.cuttable
+    assert gpt2.n_blocks == 2 and "tie_word_embeddings" in gpt2.cut_skip
     assert "Conv1D" in gpt2.tp_skip
+    assert models.facts(spec_of(LLAMA)).cut_skip is None
     assert models.build(spec_of(GPT2), 0).block_names == (
         "hf.transformer.h.0",
         "hf.transformer.h.1",
@@ -99,13 +100,11 @@ print("transformers" in sys.modules)
 @pytest.mark.slow
 def test_llama_and_gpt2_run_every_strategy_that_applies_with_the_same_maths(own_models_sweep):
     """In the sweep of users' own models (conftest.OWN_MODELS), at 2 devices: Llama
-    under every data-parallel, sharded and tensor-parallel strategy; GPT-2 (tied
-    embeddings, Conv1D) under those its layers allow."""
+    under every strategy; GPT-2 (Conv1D) under every strategy but tensor parallelism;
+    GPT-2 with its head tied to its embeddings (as it comes) under no stage cut."""
     work, s = own_models_sweep
-    ran = {
-        "llama": ["single", "ddp", "zero1", "fsdp", "tp", "grad_accum"],
-        "gpt2": ["single", "ddp", "fsdp"],
-    }
+    shared = ["single", "ddp", "zero1", "fsdp", "grad_accum", "pipeline"]
+    ran = {"llama": [*shared, "tp", "model_parallel"], "gpt2": shared}
     for model, strategies in ran.items():
         for strategy in strategies:
             row = s.loc[(model, strategy, 1 if strategy == "single" else 2)]
@@ -117,9 +116,9 @@ def test_llama_and_gpt2_run_every_strategy_that_applies_with_the_same_maths(own_
         # FSDP: one unit per decoder layer and the root (embeddings, final norm, head)
         fsdp = json.loads(s.loc[(model, "fsdp", 2), "comm_by_op"])
         assert fsdp["reduce_scatter"]["count"] == 2 + 1
-        pipeline = s.loc[(model, "pipeline", 2)]
-        assert pipeline["status"] == "skipped"
-        assert "no stage can be cut from it" in pipeline["reason"]
+    for strategy in ("pipeline", "model_parallel"):
+        tied = s.loc[("gpt2_tied", strategy, 2)]
+        assert tied["status"] == "skipped" and "tie_word_embeddings" in tied["reason"]
     tp = s.loc[("gpt2", "tp", 2)]
     assert tp["status"] == "skipped" and "Conv1D" in tp["reason"]
     html = (work / "results/report.html").read_text()

@@ -252,3 +252,78 @@ def test_batch_dependent_and_random_layers_are_named():
     notes = maths_notes(model)
     assert notes[0].startswith("BatchNorm1d at blocks.6.0 normalises over the samples")
     assert notes[1].startswith("Dropout(p=0.1) at blocks.6.1 draws random masks")
+
+
+STAGED_FACTORY = """
+import torch
+from torch import nn
+
+class Net(nn.Module):
+    def __init__(self, residual_outside, tie):
+        super().__init__()
+        self.embed = nn.Embedding(16, 8)
+        self.layers = nn.ModuleList(nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(3))
+        self.norm = nn.LayerNorm(8)
+        self.head = nn.Linear(8, 16, bias=False)
+        if tie:
+            self.head.weight = self.embed.weight
+        self.residual_outside = residual_outside
+
+    def forward(self, x):
+        h = self.embed(x)
+        for layer in self.layers:
+            h = h + layer(h) if self.residual_outside else layer(h)
+        return self.head(self.norm(h)).flatten(1)
+
+def build(residual_outside=False, tie=False):
+    def batch(n, g):
+        return torch.randint(0, 16, (n, 4), generator=g), torch.zeros(n, dtype=torch.long)
+    return dict(module=Net(residual_outside, tie), loss=nn.CrossEntropyLoss(), batch=batch)
+"""
+
+
+@pytest.mark.parametrize(
+    "args, why",
+    [
+        ({}, None),
+        (
+            {"residual_outside": True},
+            "block layers.1's input is not block layers.0's output: the forward combines "
+            "them with more (as in h = h + block(h))",
+        ),
+        ({"tie": True}, "embed and head share a parameter (tied weights)"),
+    ],
+)
+def test_stages_are_cut_from_a_modules_own_forward_or_skipped_saying_why(
+    tmp_path, monkeypatch, args, why
+):
+    """Stages of a module with a forward of its own: the embedding on the first, the
+    norm and head on the last, chained they give the model's output and hold each
+    parameter once; a forward that carries more across a cut, or weights tied across
+    stages, is skipped before any process with the reason."""
+    from parabench.checks import static_skip_reason
+    from parabench.config import cells
+    from parabench.models import stages
+
+    (tmp_path / "staged.py").write_text(STAGED_FACTORY)
+    monkeypatch.chdir(tmp_path)
+    entry = {"arch": "custom", "factory": "staged:build", "args": args, "batch_size": 8}
+    cfg = {"models": {"mine": entry}, "strategies": ["pipeline"], "devices": [2], "repeats": 1}
+    assert problems(cfg) == []
+    (cell,) = cells(cfg)
+    skip = static_skip_reason(cell.spec)
+    if why:
+        assert skip.startswith("pipeline cuts stages between the blocks of models.mine: ")
+        assert why in skip, skip
+        return
+    assert skip is None
+    model = build(ModelSpec.of(**entry_sizes(entry)), 0)
+    how = stages.trace(model)
+    assert (how.prefix, how.suffix) == (("embed",), ("norm", "head"))
+    x, _ = model.batch(5, torch.Generator().manual_seed(1))
+    first, second = stages.cut(model, how, 0, 1), stages.cut(model, how, 1, 3)
+    assert torch.equal(second(first(x)), model.module(x))
+    held = [{n for n, _ in s.part.named_parameters()} for s in (first, second)]
+    assert held[0] == {"embed.weight", "layers.0.0.weight", "layers.0.0.bias"}
+    assert not held[0] & held[1]
+    assert held[0] | held[1] == {n for n, _ in model.module.named_parameters()}

@@ -102,7 +102,7 @@ def _combination(spec: RunSpec, facts: models.ModelFacts) -> list[str]:
         )
     elif rec.needs_tp_plan and (why := facts.tp_problem(spec.devices)):
         out.append(f"models.{name}.{why}")
-    if rec.cuts_model and facts.cuttable and spec.devices > facts.n_blocks:
+    if rec.cuts_model and not facts.cut_skip and spec.devices > facts.n_blocks:
         out.append(
             f"devices: {spec.strategy} at {spec.devices} devices needs {spec.devices} stages "
             f"but model {name!r} has only {facts.n_blocks} blocks"
@@ -138,10 +138,6 @@ def static_skip_reason(spec: RunSpec) -> str | None:
         return f"torch.compile does not compose with {rec.label} (compile: true)"
     if rec.needs_tp_plan and (why := models.facts(spec.model).tp_skip):
         return f"{spec.strategy}: {why}"
-    if rec.cuts_model and not models.facts(spec.model).cuttable:
-        return (
-            f"{spec.strategy} cuts stages between the blocks of an nn.Sequential, and "
-            f"models.{spec.model_name} is a module whose own forward runs them: no stage "
-            "can be cut from it without changing it"
-        )
+    if rec.cuts_model and (why := models.facts(spec.model).cut_skip):
+        return f"{spec.strategy} cuts stages between the blocks of models.{spec.model_name}: {why}"
     return None

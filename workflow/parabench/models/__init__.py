@@ -6,8 +6,8 @@
 - `build(spec, seed)`: the model itself, a `base.Model` (needs torch).
 
 Every model is a module plus a loss and a batch generator, and the names of its
-repeated blocks (base.py holds that contract); stages are cut between the blocks of an
-nn.Sequential only. Custom models (custom.py) and transformers models (hf.py) keep the
+repeated blocks (base.py holds that contract); pipeline stages are cut between the
+blocks (stages.py). Custom models (custom.py) and transformers models (hf.py) keep the
 module their author wrote. Presets: `mlp` (the seed MLP), `seqnet` (the DDP
 tutorial's net), `resmlp` (uniform pre-norm residual MLP blocks) and `gpt` (a
 decoder-only transformer in nanoGPT's shape), in presets.py.

@@ -4,10 +4,10 @@ A model is a module plus a loss and a batch generator:
 - module(inputs) -> output; loss(output, target) -> scalar mean over the batch
 - batch(batch_size, generator) -> (inputs, targets), deterministic given the generator,
   batch dimension first; parabench moves it to the device and slices it per rank
-- block_names: the module's repeated blocks (FSDP's units, what `compile` compiles).
-  Where the module is an nn.Sequential, its children are the blocks, each taking the
-  previous one's output: pipeline and model parallel cut their stages between them.
-  Any other module runs its own forward, unchanged, so no stage can be cut from it.
+- block_names: the module's repeated blocks (FSDP's units, what `compile` compiles,
+  what pipeline and model parallel cut their stages between: stages.py). Where the
+  module is an nn.Sequential, its children are the blocks, each taking the previous
+  one's output; any other module runs its own forward, unchanged.
 - tp_plan (optional): module name (relative to the module) -> "colwise" | "rowwise"
   (or a torch ParallelStyle), each column-wise layer followed by its row-wise partner
 """

@@ -12,7 +12,8 @@ docs/custom-models.md.
 The factory is imported and checked when the workflow plans, before any job: an import
 that fails, a factory that raises, a return value that breaks the contract, blocks that
 do not chain on the batch, a loss that is not a scalar. Each problem is one sentence;
-the config check prefixes the key (models.<name>.factory).
+the config check prefixes the key (models.<name>.factory). Whether stages can be cut
+from a module is read then too (stages.trace): where not, its stage cells are skipped.
 """
 
 from __future__ import annotations
@@ -192,10 +193,12 @@ def inspect_factory(spec: ModelSpec) -> ModelFacts:
         check_runs(model)
     except FactoryError as e:
         return ModelFacts(0, False, problems=(f"{e.key}: {e}",))
+    from parabench.models import stages
+
     split = TPSplit("factory", "the planned layers' widths", tp_widths(model))
     return ModelFacts(
         len(model.block_names),
         bool(model.tp_plan),
         (split,) if split.widths else (),
-        cuttable=model.sequential,
+        cut_skip=stages.trace(model).problem,
     )

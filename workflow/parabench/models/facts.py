@@ -52,9 +52,10 @@ class ModelFacts:
     has_tp_plan: bool  # the model declares layers for tensor parallelism
     tp_splits: tuple[TPSplit, ...] = ()
     problems: tuple[str, ...] = field(default=())  # "key: message", key under models.<name>
-    # An nn.Sequential of blocks, so stages can be cut between them; a module with a
-    # forward of its own (models.base.Model.sequential) cannot be cut.
-    cuttable: bool = True
+    # Why no stage can be cut from this model (models/stages.py), so pipeline and
+    # model parallel skip it: tied weights across stages, a forward that carries more
+    # than one activation from block to block.
+    cut_skip: str | None = None
     # Why tensor parallelism cannot apply to this model at all (its cells are skipped
     # with it), where a model without a plan is not a mistake in the config.
     tp_skip: str | None = None

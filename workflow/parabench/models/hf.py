@@ -108,8 +108,15 @@ def facts(spec: ModelSpec) -> ModelFacts:
         )
         if config.model_type == "gpt2":
             why += "; its projections are Conv1D, whose weight is transposed"
+    tied = None
+    if config.tie_word_embeddings:
+        tied = (
+            f"transformers' {config.model_type} ties its head to its input embeddings "
+            "(tie_word_embeddings): the first and last stages would each train their own "
+            "copy (config: {tie_word_embeddings: false} unties them)"
+        )
     return ModelFacts(
-        _layers(config), bool(plan), (split,) if plan else (), cuttable=False, tp_skip=why
+        _layers(config), bool(plan), (split,) if plan else (), cut_skip=tied, tp_skip=why
     )
 
 

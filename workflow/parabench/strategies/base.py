@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 from abc import ABC, abstractmethod
-from collections import OrderedDict
 from typing import ClassVar
 
 import torch
@@ -21,10 +20,8 @@ import torch.distributed as dist
 from torch import nn
 
 from parabench.data import Shard
-from parabench.flops import block_flops
 from parabench.marks import BACKWARD, FORWARD, OPTIMIZER, region
 from parabench.models.base import Model
-from parabench.partition import balanced_cuts
 from parabench.runtime import Context
 from parabench.spec import RunSpec
 
@@ -177,16 +174,6 @@ def train_step(
     with region(OPTIMIZER):
         opt.step()
     return loss.detach()
-
-
-def stage_cuts(model: Model, stages: int) -> list[tuple[int, int]]:
-    return balanced_cuts(block_flops(model), stages)
-
-
-def stage_module(blocks: nn.Sequential, lo: int, hi: int) -> nn.Sequential:
-    """Blocks [lo, hi) keeping their indices as names, so a stage's parameter names
-    match the whole model's (stage 1's first Linear stays '2.0.weight')."""
-    return nn.Sequential(OrderedDict((str(i), blocks[i]) for i in range(lo, hi)))
 
 
 def gather_state(local: dict[str, torch.Tensor], ctx: Context) -> dict[str, torch.Tensor] | None:

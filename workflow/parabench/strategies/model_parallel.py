@@ -1,40 +1,28 @@
 """model_parallel: one process, the model cut into n consecutive stages on n devices.
 
-Activations move stage to stage in forward, gradients back in backward, one stage busy
-at a time (the seeds' naive scheme: no micro-batches, no overlap). On CPU every stage
-sits on `cpu`: the code path is real, the speedup is not (the record says emulated).
+Each stage's blocks sit on its device (models/stages.py cuts them) and the model's own
+forward runs, each block moving its input to its device first; activations move stage
+to stage in forward, gradients back in backward, one stage busy at a time (the seeds'
+naive scheme: no micro-batches, no overlap; transformers' device_map does the same).
+On CPU every stage sits on `cpu`: the code path is real, the speedup is not (the
+record says emulated).
 """
 
 from __future__ import annotations
 
 import torch
-from torch import nn
 
+from parabench.models import stages
 from parabench.models.base import Model
+from parabench.partition import balanced_cuts
 from parabench.runtime import Context
 from parabench.spec import RunSpec
 from parabench.strategies.base import (
     Strategy,
     cpu_params,
     make_optimizer,
-    stage_cuts,
-    stage_module,
     train_step,
 )
-
-
-class Staged(nn.Module):
-    """Stages on their devices; forward carries the activation across."""
-
-    def __init__(self, stages: list[nn.Module], devices: list[torch.device]) -> None:
-        super().__init__()
-        self.stages = nn.ModuleList(s.to(d) for s, d in zip(stages, devices, strict=True))
-        self.placement = devices
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for stage, device in zip(self.stages, self.placement, strict=True):
-            x = stage(x.to(device, non_blocking=True))
-        return x
 
 
 class ModelParallel(Strategy):
@@ -48,9 +36,10 @@ class ModelParallel(Strategy):
         else:
             self._devices = [ctx.device] * n
             self.emulated = n > 1
-        self.stage_cuts = stage_cuts(model, n)
-        stages = [stage_module(model.module, lo, hi) for lo, hi in self.stage_cuts]
-        self.module = Staged(stages, self._devices)
+        how = stages.trace(model)
+        self.stage_cuts = balanced_cuts(how.costs, n)
+        stages.place(model, how, self.stage_cuts, self._devices)
+        self.module = model.module
         self.opt = make_optimizer(self.module.parameters(), spec)
 
     @property
@@ -66,7 +55,4 @@ class ModelParallel(Strategy):
         return train_step(self.module, self.loss_fn, self.opt, x, y, self.autocast())
 
     def full_state(self) -> dict[str, torch.Tensor]:
-        out: dict[str, torch.Tensor] = {}
-        for stage in self.module.stages:
-            out.update(cpu_params(stage))
-        return out
+        return cpu_params(self.module)

@@ -1,5 +1,8 @@
 """pipeline: the model_parallel cut, one stage per rank, with torch.distributed.pipelining.
 
+Each rank builds its stage as models/stages.py cuts it: blocks of an nn.Sequential, or
+a model with a forward of its own run from one cut to the next, unchanged.
+
 The global batch is split into m micro-batches that flow through the stages so several
 stages work at once; GPipe runs all forwards then all backwards, 1F1B interleaves them
 to bound activation memory (needs m >= stages). The idle share (bubble) is
@@ -23,7 +26,9 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
 from parabench.marks import OPTIMIZER, SCHEDULE, region
-from parabench.models.base import Model, example_batch
+from parabench.models import stages
+from parabench.models.base import Model
+from parabench.partition import balanced_cuts
 from parabench.runtime import Context
 from parabench.spec import RunSpec
 from parabench.strategies.base import (
@@ -32,8 +37,6 @@ from parabench.strategies.base import (
     cpu_params,
     gather_state,
     make_optimizer,
-    stage_cuts,
-    stage_module,
 )
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
@@ -61,9 +64,10 @@ class Pipeline(Strategy):
         super().__init__(model, spec, ctx)
         n, r = spec.devices, ctx.rank
         self.first, self.last = r == 0, r == n - 1
-        self.stage_cuts = stage_cuts(model, n)
+        how = stages.trace(model)
+        self.stage_cuts = balanced_cuts(how.costs, n)
         lo, hi = self.stage_cuts[r]
-        cpu_stage = stage_module(model.module, lo, hi)
+        cut = stages.cut(model, how, lo, hi)  # on the CPU, where the model was built
 
         # Static example tensors: shape inference would run the loss on uninitialised
         # data (BCELoss then fails about half the time). Tensors a gradient flows through
@@ -71,19 +75,14 @@ class Pipeline(Strategy):
         # neither sends nor expects gradients.
         m = spec.option("microbatches")
         micro = spec.global_batch // m
-        with torch.no_grad():
-            act = example_batch(model, micro)[0]
-            for i in range(lo):
-                act = model.module[i](act)
-            example_in = act.clone()
-            example_out = cpu_stage(act)
-        self.module = cpu_stage.to(ctx.device)
+        example_in, example_out = stages.boundary(model, how, self.stage_cuts, r, micro)
+        self.module = cut.to(ctx.device).part  # its parameters, named as in the model
         self.opt = make_optimizer(self.module.parameters(), spec)
         wire = DTYPES[spec.precision]  # what crosses a stage boundary
         in_dtype = example_in.dtype if self.first else wire
         example_in = example_in.to(ctx.device, in_dtype).requires_grad_(not self.first)
         stage = PipelineStage(
-            InPrecision(self.module, spec.precision, ctx.device),
+            InPrecision(cut, spec.precision, ctx.device),
             r,
             n,
             ctx.device,
