@@ -221,6 +221,7 @@ OWN_MODELS = {
             "args": {"width": 32, "depth": 4},
             "batch_size": 64,
             "strategies": ["single", "ddp", "pipeline"],
+            "devices": [2],
         },
         "mine_module": {
             "arch": "custom",

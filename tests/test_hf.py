@@ -49,6 +49,13 @@ def test_a_transformers_model_keeps_its_own_blocks_plan_and_loss():
 
     gpt2 = models.facts(spec_of(GPT2))
     assert gpt2.n_blocks == 2 and "tie_word_embeddings" in gpt2.cut_skip
+    opt = {
+        "arch": "hf",
+        "model_type": "opt",
+        "seq_len": 8,
+        "config": {"layerdrop": 0.1, "tie_word_embeddings": False},
+    }
+    assert "layerdrop 0.1" in models.facts(spec_of(opt)).cut_skip
     assert "Conv1D" in gpt2.tp_skip
     assert models.facts(spec_of(LLAMA)).cut_skip is None
     assert models.build(spec_of(GPT2), 0).block_names == (

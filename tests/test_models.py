@@ -258,27 +258,38 @@ STAGED_FACTORY = """
 import torch
 from torch import nn
 
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+
+    def forward(self, h, keep):
+        return torch.tanh(self.linear(h)) * keep
+
 class Net(nn.Module):
-    def __init__(self, residual_outside, tie):
+    def __init__(self, residual_outside, tie, drop):
         super().__init__()
         self.embed = nn.Embedding(16, 8)
-        self.layers = nn.ModuleList(nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(3))
+        self.layers = nn.ModuleList(Block() for _ in range(3))
         self.norm = nn.LayerNorm(8)
         self.head = nn.Linear(8, 16, bias=False)
         if tie:
             self.head.weight = self.embed.weight
-        self.residual_outside = residual_outside
+        self.residual_outside, self.drop = residual_outside, drop
 
     def forward(self, x):
+        keep = (x != 0).unsqueeze(-1)  # a mask from the input's values (padding)
         h = self.embed(x)
-        for layer in self.layers:
-            h = h + layer(h) if self.residual_outside else layer(h)
+        for i, layer in enumerate(self.layers):
+            if self.training and i == self.drop:
+                continue  # as layerdrop may, in training only
+            h = h + layer(h, keep) if self.residual_outside else layer(h, keep)
         return self.head(self.norm(h)).flatten(1)
 
-def build(residual_outside=False, tie=False):
+def build(residual_outside=False, tie=False, drop=None):
     def batch(n, g):
         return torch.randint(0, 16, (n, 4), generator=g), torch.zeros(n, dtype=torch.long)
-    return dict(module=Net(residual_outside, tie), loss=nn.CrossEntropyLoss(), batch=batch)
+    return dict(module=Net(residual_outside, tie, drop), loss=nn.CrossEntropyLoss(), batch=batch)
 """
 
 
@@ -288,8 +299,9 @@ def build(residual_outside=False, tie=False):
         ({}, None),
         (
             {"residual_outside": True},
-            "block layers.1's input is not block layers.0's output: the forward combines "
-            "them with more (as in h = h + block(h))",
+            "block layers.1's input is not block layers.0's output and the stages chained "
+            "differ from the model: the forward combines them with more (as in h = h + "
+            "block(h))",
         ),
         ({"tie": True}, "embed and head share a parameter (tied weights)"),
     ],
@@ -322,8 +334,27 @@ def test_stages_are_cut_from_a_modules_own_forward_or_skipped_saying_why(
     assert (how.prefix, how.suffix) == (("embed",), ("norm", "head"))
     x, _ = model.batch(5, torch.Generator().manual_seed(1))
     first, second = stages.cut(model, how, 0, 1), stages.cut(model, how, 1, 3)
-    assert torch.equal(second(first(x)), model.module(x))
+    # the second stage runs the forward on the input too: its mask is the real one
+    assert (x == 0).any() and torch.equal(second.fed([x])(first(x)), model.module(x))
     held = [{n for n, _ in s.part.named_parameters()} for s in (first, second)]
-    assert held[0] == {"embed.weight", "layers.0.0.weight", "layers.0.0.bias"}
+    assert held[0] == {"embed.weight", "layers.0.linear.weight", "layers.0.linear.bias"}
     assert not held[0] & held[1]
     assert held[0] | held[1] == {n for n, _ in model.module.named_parameters()}
+
+
+def test_a_stage_whose_block_a_training_forward_skips_says_so(tmp_path, monkeypatch):
+    """What one forward in eval mode cannot show (a block dropped in training, as
+    layerdrop drops them) stops the stage, naming the block, never trains wrongly."""
+    from parabench.models import stages
+
+    (tmp_path / "staged.py").write_text(STAGED_FACTORY)
+    monkeypatch.chdir(tmp_path)
+    spec = ModelSpec.of(arch="custom", factory="staged:build", args={"drop": 1})
+    model = build(spec, 0)
+    how = stages.trace(model)
+    assert how.problem is None
+    x, _ = model.batch(4, torch.Generator().manual_seed(1))
+    with pytest.raises(RuntimeError, match=r"did not call block layers\.1, where this stage"):
+        stages.cut(model, how, 0, 1)(x)  # sends at block 1, which never comes
+    with pytest.raises(RuntimeError, match=r"did not call block layers\.1, where this stage"):
+        stages.cut(model, how, 1, 3).fed([x])(torch.zeros(4, 4, 8))

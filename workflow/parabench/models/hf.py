@@ -108,15 +108,22 @@ def facts(spec: ModelSpec) -> ModelFacts:
         )
         if config.model_type == "gpt2":
             why += "; its projections are Conv1D, whose weight is transposed"
-    tied = None
+    # What a stage cut cannot take, known from the config; the rest is checked when a
+    # stage is built (stages.trace), which planning does not do: no model is built here.
+    cut = None
     if config.tie_word_embeddings:
-        tied = (
+        cut = (
             f"transformers' {config.model_type} ties its head to its input embeddings "
             "(tie_word_embeddings): the first and last stages would each train their own "
             "copy (config: {tie_word_embeddings: false} unties them)"
         )
+    elif getattr(config, "layerdrop", 0):
+        cut = (
+            f"layerdrop {config.layerdrop}: training drops layers at random, and a stage "
+            "whose first or last layer is dropped has nothing to receive or send"
+        )
     return ModelFacts(
-        _layers(config), bool(plan), (split,) if plan else (), cut_skip=tied, tp_skip=why
+        _layers(config), bool(plan), (split,) if plan else (), cut_skip=cut, tp_skip=why
     )
 
 

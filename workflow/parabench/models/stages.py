@@ -6,20 +6,23 @@ the previous one's output.
 Any other module keeps its own forward, as torchtitan's stages keep their model's.
 Stage k holds its blocks [lo, hi), the parts the forward runs before the first block
 (embeddings) when it is the first stage, and those after the last block (final norm,
-head) when it is the last. It runs the model's whole forward with what it does not
-hold standing in: on a later stage the model's input is zeros, a part run before the
-blocks gives zeros of its shape, and a block before the stage hands its input on. The
-first block's input is swapped for the activation received, and the forward stops
-when the block after the stage is called: that block's input is what the stage sends.
-Parameter-free work (rotary embeddings, attention masks) runs on every stage, as in
-torchtitan; parameter names stay the whole model's.
+head) when it is the last. Every stage runs the model's whole forward on the model's
+input (every pipeline rank has the batch), with what it does not hold standing in: a
+part run before the blocks gives zeros of its shape, a block before the stage hands
+its input on. The stage's first block's input is swapped for the activation received,
+and the forward stops when the block after the stage is called: that block's input is
+what the stage sends. Parameter-free work (rotary embeddings, attention masks, masks
+from the input's values) runs on every stage, as in torchtitan; parameter names stay
+the whole model's.
 
 That is sound when the activation crossing a cut is all the forward carries from one
-block to the next: each block takes the previous one's output (`h = block(h)`, as
-transformers and torchtitan models do), not a sum formed around it (`h = h +
-block(h)`). `trace` reads the forward once on a real sample, checks that, and checks
-that the stages chained give the model's output; a model that fails says why
-(ModelFacts.cut_skip), and its stage cells are skipped.
+block to the next: `h = block(h)` or `h = act(block(h))`, as transformers and
+torchtitan models run their layers, not `h = h + block(h)`, whose `h` the next stage
+never sees. `trace` reads the forward once on real samples and checks that stages cut
+at every boundary, chained, give the model's output on other samples; a model that
+fails says why (ModelFacts.cut_skip), and its stage cells are skipped. What one
+sample in eval mode cannot show (a block dropped at random in training) is caught
+when a stage runs: the forward must reach the stage's first and last block.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import itertools
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -37,13 +41,15 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from parabench.flops import block_flops
 from parabench.models.base import Model, example_batch
+from parabench.partition import balanced_cuts
 
 TRACE_BATCH = 3  # samples in the traced forward: a batch dimension tells itself apart
+CHECK_BATCH = 5  # and in the chained check, on other samples: stand-ins must follow
 
 
 @dataclass(frozen=True)
 class Output:
-    """A tensor the traced forward saw, for a stage that stands in for it."""
+    """A part's output in the traced forward, for a stage that stands in for it."""
 
     shape: tuple[int, ...]  # per sample where per_sample, else whole
     dtype: torch.dtype
@@ -64,18 +70,26 @@ class Trace:
     """How a model's forward runs its blocks: what a cut needs."""
 
     costs: list[int]  # per block, what stage balancing weighs (flops.block_flops)
-    prefix: tuple[str, ...] = ()  # parts holding parameters, run before the first block
-    suffix: tuple[str, ...] = ()  # ... and after the last
-    stand_ins: dict[str, Output] = field(default_factory=dict)  # the prefix parts' outputs
-    sample: Output | None = None  # the model's input
+    sequential: bool = False  # an nn.Sequential: its blocks chain, nothing else runs
+    prefix: tuple[str, ...] = ()  # parts run before the first block (embeddings)
+    suffix: tuple[str, ...] = ()  # ... and after the last (final norm, head)
+    late: tuple[str, ...] = ()  # parts with buffers only, run after the last block
+    stand_ins: dict[str, Output] = field(default_factory=dict)  # prefix parts' outputs
     problem: str | None = None  # why no stage can be cut from it
+
+    def cuts(self, stages: int) -> list[tuple[int, int]]:
+        """Balanced [lo, hi) block ranges, or the reason there are none."""
+        if self.problem:
+            raise ValueError(f"no stage can be cut from this model: {self.problem}")
+        return balanced_cuts(self.costs, stages)
 
 
 def trace(model: Model) -> Trace:
-    """Read the forward once on a real CPU sample (a module with a forward of its own;
-    an nn.Sequential needs no reading)."""
+    """Read the forward once on real CPU samples and check a cut at every boundary on
+    others (a module with a forward of its own; an nn.Sequential needs no reading). It
+    runs on a copy: a forward may change the module's state (buffers, counters)."""
     if model.sequential:
-        return Trace(block_flops(model))
+        return Trace(block_flops(model), sequential=True)
     blocks = model.block_names
     if not blocks:
         return Trace([], problem="no repeated blocks were found to cut between")
@@ -83,17 +97,20 @@ def trace(model: Model) -> Trace:
     if problem:
         return Trace([], problem=problem)
     # The counting copy (flops.py) has the same names and maths, and its FLOPs count.
-    module = model.counting_module() if model.counting_module else model.module
+    module = model.counting_module() if model.counting_module else copy.deepcopy(model.module)
     x = example_batch(model, TRACE_BATCH)[0]
+    other = example_batch(model, CHECK_BATCH, seed=1)[0]
     try:
         with _eval(module), torch.no_grad():  # no dropout: the chain is compared below
-            calls, whole = _calls(module, blocks, parts, x)
-            t = _read(calls, blocks, parts, x)
+            calls, _ = _calls(module, blocks, parts, x)
+            holders = {p for p in parts if any(True for _ in module.get_submodule(p).parameters())}
+            t = _read(calls, blocks, parts, holders)
             if t.problem:
                 return t
-            act = x
+            whole = module(other)
+            act = other
             for i in range(len(blocks)):  # a cut at every boundary
-                act = _cut(module, blocks, t, i, i + 1)(act)
+                act = _cut(module, blocks, t, i, i + 1).fed([other])(act)
     except Exception as e:  # a forward that a stage's stand-ins break
         why = f"its forward fails when cut into stages ({type(e).__name__}: {e})"
         return Trace([], problem=why)
@@ -103,18 +120,20 @@ def trace(model: Model) -> Trace:
         gap = float((act - whole).abs().max())
         return Trace(
             [],
-            problem=(
-                "the stages chained do not give its output (largest difference "
-                f"{gap:.2g}): its forward carries more than one activation across blocks"
+            problem=_unsound(calls, blocks)
+            or (
+                f"the stages chained do not give its output (largest difference {gap:.2g}): "
+                "its forward carries more across a cut than the activation a block is given"
             ),
         )
     return t
 
 
 def _parts(module: nn.Module, blocks: tuple[str, ...]) -> tuple[list[str], str | None]:
-    """The largest submodules outside the blocks that hold parameters (embeddings, a
-    final norm, the head), or why the model has parameters no stage could own. A
-    ModuleList or ModuleDict is no part: it is never called, its members are."""
+    """The largest submodules outside the blocks that hold parameters or buffers
+    (embeddings, rotary tables, a final norm, the head), or why the model has
+    parameters no stage could own. A ModuleList or ModuleDict is no part: it is never
+    called, its members are."""
     parts: list[str] = []
 
     def walk(prefix: str, mod: nn.Module) -> str | None:
@@ -129,7 +148,7 @@ def _parts(module: nn.Module, blocks: tuple[str, ...]) -> tuple[list[str], str |
             ):
                 if why := walk(full + ".", child):
                     return why
-            elif any(True for _ in child.parameters()):
+            elif any(True for _ in child.parameters()) or any(True for _ in child.buffers()):
                 parts.append(full)
         return None
 
@@ -147,8 +166,8 @@ def _parts(module: nn.Module, blocks: tuple[str, ...]) -> tuple[list[str], str |
 
 
 def _calls(module: nn.Module, blocks, parts, x) -> tuple[list[tuple], object]:
-    """(name, "in" | "out", FLOPs so far, first argument | output) per call of a block
-    or part, in order, and the forward's output."""
+    """(name, "in" | "out", FLOPs so far, first positional argument | output) per call
+    of a block or part, in order, and the forward's output."""
     calls: list[tuple] = []
     with FlopCounterMode(display=False) as counter, contextlib.ExitStack() as hooks:
 
@@ -169,8 +188,9 @@ def _calls(module: nn.Module, blocks, parts, x) -> tuple[list[tuple], object]:
     return calls, whole
 
 
-def _read(calls: list[tuple], blocks, parts, x) -> Trace:
-    """The trace from the calls, or the first reason no cut would be sound."""
+def _read(calls: list[tuple], blocks, parts, holders: set[str]) -> Trace:
+    """The trace from the calls, or the first reason no cut could work. `holders`:
+    the parts that hold parameters."""
     entered = [c for c in calls if c[0] in blocks and c[1] == "in"]
     if [c[0] for c in entered] != list(blocks):
         order = ", ".join(c[0] for c in entered) or "none"
@@ -179,30 +199,29 @@ def _read(calls: list[tuple], blocks, parts, x) -> Trace:
     first = calls.index(entered[0])
     last = max(i for i, c in enumerate(calls) if c[0] == blocks[-1] and c[1] == "out")
     out_of = {c[0]: c[3] for c in calls if c[1] == "out"}
-    for i, (name, _, _, arg) in enumerate(entered):
+    for name, _, _, arg in entered:
         if not isinstance(arg, torch.Tensor):
-            return Trace([], problem=f"block {name} takes no tensor as its first argument")
+            why = (
+                f"block {name} is not given a tensor as its first positional argument "
+                "(the activation a cut passes on)"
+            )
+            return Trace([], problem=why)
         if not isinstance(out_of[name], torch.Tensor):
             kind = type(out_of[name]).__name__
             return Trace([], problem=f"block {name} returns a {kind}, not one tensor")
-        if i and arg is not out_of[blocks[i - 1]]:
-            return Trace(
-                [],
-                problem=(
-                    f"block {name}'s input is not block {blocks[i - 1]}'s output: the "
-                    "forward combines them with more (as in h = h + block(h)), which a "
-                    "cut between them would lose"
-                ),
-            )
-    prefix, suffix = [], []
+    prefix, suffix, late = [], [], []
     for part in parts:
         at = [i for i, c in enumerate(calls) if c[0] == part]
-        if all(i < first for i in at):
+        if part not in holders:  # buffers only (rotary tables): run on every stage
+            if at and all(i > last for i in at):
+                late.append(part)
+        elif all(i < first for i in at):
             prefix.append(part)  # (a part never called: the first stage keeps it)
         elif all(i > last for i in at):
             suffix.append(part)
         else:
-            return Trace([], problem=f"its forward runs {part} between its blocks")
+            when = "between" if any(first < i < last for i in at) else "before and after"
+            return Trace([], problem=f"its forward calls {part} {when} its blocks")
     stand_ins = {}
     for part in prefix:
         out = out_of.get(part)
@@ -212,13 +231,27 @@ def _read(calls: list[tuple], blocks, parts, x) -> Trace:
         if out is not None:
             stand_ins[part] = Output.of(out, TRACE_BATCH)
     # Forward FLOPs per block, what runs before and after them on the first and last.
-    costs = [c[2] for c in calls if c[0] in blocks and c[1] == "out"]
+    ends = [c[2] for c in calls if c[0] in blocks and c[1] == "out"]
     starts = [c[2] for c in entered]
-    costs = [end - start for start, end in zip(starts, costs, strict=True)]
+    costs = [end - start for start, end in zip(starts, ends, strict=True)]
     costs[0] += starts[0]
     costs[-1] += calls[-1][2] - calls[last][2]
-    sample = Output.of(x, TRACE_BATCH)
-    return Trace(costs, tuple(prefix), tuple(suffix), stand_ins, sample)
+    return Trace(costs, False, tuple(prefix), tuple(suffix), tuple(late), stand_ins)
+
+
+def _unsound(calls: list[tuple], blocks) -> str | None:
+    """A block whose input is not the previous block's output, the likely reason the
+    stages chained differ: the forward forms more around a block than its output."""
+    given = {c[0]: c[3] for c in calls if c[1] == "in"}
+    out_of = {c[0]: c[3] for c in calls if c[1] == "out"}
+    for before, block in itertools.pairwise(blocks):
+        if given[block] is not out_of[before]:
+            return (
+                f"block {block}'s input is not block {before}'s output and the stages "
+                "chained differ from the model: the forward combines them with more (as "
+                "in h = h + block(h)), which a cut between them would lose"
+            )
+    return None
 
 
 @contextlib.contextmanager
@@ -235,39 +268,69 @@ def _eval(module: nn.Module):
 class Stage(nn.Module):
     """Blocks [lo, hi) of a model: the stage's input (the model's on the first stage,
     the activation received on the others) -> what it sends on (the model's output on
-    the last). `part` holds its parameters under the whole model's names."""
+    the last). `part` holds its parameters under the whole model's names.
+
+    A later stage of a module with a forward of its own runs that forward on the
+    model's real input, so what the forward derives from it (a padding mask) is right
+    on every stage: `fed` queues the inputs of its next forwards (one per micro-batch,
+    in the order the schedule runs them)."""
 
     def __init__(
-        self, part: nn.Module, blocks: tuple[str, ...], sample: Output | None, lo: int, hi: int
+        self, part: nn.Module, blocks: tuple[str, ...], t: Trace, lo: int, hi: int
     ) -> None:
         super().__init__()
-        self.part, self.blocks, self.sample, self.lo, self.hi = part, blocks, sample, lo, hi
+        self.part, self.blocks, self.sequential = part, blocks, t.sequential
+        self.lo, self.hi = lo, hi
+        self._inputs: list[torch.Tensor] = []
+
+    def fed(self, inputs: list[torch.Tensor]) -> Stage:
+        self._inputs = list(inputs)
+        return self
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.sample is None:  # an nn.Sequential: its blocks chain
+        if self.sequential:  # its blocks chain
             return self.part(x)
         first, last = self.lo == 0, self.hi == len(self.blocks)
+        seen: list[str] = []
         with contextlib.ExitStack() as hooks:
             if not first:
-                received = x
-                swap = self.part.get_submodule(self.blocks[self.lo]).register_forward_pre_hook(
-                    lambda _m, args: (received, *args[1:])
-                )
-                hooks.callback(swap.remove)
-                x = self.sample.zeros(x.shape[0], x.device)
+                if not self._inputs:
+                    raise RuntimeError(f"stage from block {self.blocks[self.lo]} has no input fed")
+                received, x = x, self._inputs.pop(0)
+
+                def swap(_m: nn.Module, args: tuple) -> tuple:
+                    seen.append("swapped")
+                    return (received, *args[1:])
+
+                at = self.part.get_submodule(self.blocks[self.lo]).register_forward_pre_hook(swap)
+                hooks.callback(at.remove)
             if not last:
-                stop = self.part.get_submodule(self.blocks[self.hi]).register_forward_pre_hook(
-                    _send
-                )
-                hooks.callback(stop.remove)
+                at = self.part.get_submodule(self.blocks[self.hi]).register_forward_pre_hook(_send)
+                hooks.callback(at.remove)
             try:
-                return self.part(x)
+                out = self.part(x)
             except _Sent as sent:
-                return sent.activation
+                out = sent.activation
+            except _Reached as e:  # past the stage's end without passing it
+                raise RuntimeError(f"{self._skipped(self.hi)}; {e}") from None
+            else:
+                if not last:
+                    raise RuntimeError(self._skipped(self.hi))
+            if not first and not seen:
+                raise RuntimeError(self._skipped(self.lo))
+            return out
+
+    def _skipped(self, block: int) -> str:
+        # a block a training forward leaves out (layerdrop, stochastic depth)
+        return (
+            f"the forward did not call block {self.blocks[block]}, where this stage "
+            "begins or ends (a block dropped at random in training cannot be cut at)"
+        )
 
 
-class _Sent(Exception):
-    """Not an error: how a stage leaves the model's forward at its cut."""
+class _Sent(BaseException):
+    """Not an error: how a stage leaves the model's forward at its cut (a
+    BaseException, so a forward's own `except Exception` lets it through)."""
 
     def __init__(self, activation: torch.Tensor) -> None:
         super().__init__()
@@ -308,7 +371,11 @@ class _Absent(nn.Module):
         self.name = name
 
     def forward(self, *args, **kwargs):
-        raise RuntimeError(f"a stage reached {self.name}, which it does not hold")
+        raise _Reached(f"it reached {self.name}, which it does not hold")
+
+
+class _Reached(RuntimeError):
+    pass
 
 
 def cut(model: Model, t: Trace, lo: int, hi: int) -> Stage:
@@ -320,9 +387,9 @@ def cut(model: Model, t: Trace, lo: int, hi: int) -> Stage:
 def _cut(module: nn.Module, blocks: tuple[str, ...], t: Trace, lo: int, hi: int) -> Stage:
     if t.problem:
         raise ValueError(t.problem)
-    if t.sample is None:  # nn.Sequential: the blocks [lo, hi), keeping their indices
+    if t.sequential:  # the blocks [lo, hi), keeping their indices as names
         part = nn.Sequential(OrderedDict((str(i), module[i]) for i in range(lo, hi)))
-        return Stage(part, blocks, None, lo, hi)
+        return Stage(part, blocks, t, lo, hi)
     swaps: dict[str, nn.Module] = {}
     if lo > 0:
         swaps.update({b: _HandOn() for b in blocks[:lo]})
@@ -330,7 +397,7 @@ def _cut(module: nn.Module, blocks: tuple[str, ...], t: Trace, lo: int, hi: int)
         swaps.update({p: _Absent(p) for p in t.prefix if p not in t.stand_ins})
     if hi < len(blocks):
         swaps.update({name: _Absent(name) for name in (*blocks[hi:], *t.suffix)})
-    return Stage(_swapped(module, swaps), blocks, t.sample, lo, hi)
+    return Stage(_swapped(module, swaps), blocks, t, lo, hi)
 
 
 def _swapped(module: nn.Module, swaps: dict[str, nn.Module], prefix: str = "") -> nn.Module:
@@ -347,17 +414,35 @@ def _swapped(module: nn.Module, swaps: dict[str, nn.Module], prefix: str = "") -
 
 
 def place(model: Model, t: Trace, cuts: list[tuple[int, int]], devices: list[torch.device]) -> None:
-    """Model parallelism in one process: each stage's blocks on its device, the parts
-    run before them on the first device, those after on the last; each block and later
-    part moves what it is given onto its device first (as accelerate's device_map)."""
+    """Model parallelism in one process: each stage's blocks on its device, what runs
+    after them on the last device, the rest on the first, each moved there once;
+    each block and later part moves what it is given onto its device first (as
+    transformers' device_map does)."""
     if t.problem:
         raise ValueError(t.problem)
-    model.module.to(devices[0])
-    owners = [(model.block_names[lo:hi], d) for (lo, hi), d in zip(cuts, devices, strict=True)]
-    for names, device in [*owners, (t.suffix, devices[-1])]:
-        for name in names:
-            sub = model.module.get_submodule(name).to(device)
-            sub.register_forward_pre_hook(functools.partial(_move, device), with_kwargs=True)
+    blocks = model.block_names
+    where = {b: devices[k] for k, (lo, hi) in enumerate(cuts) for b in blocks[lo:hi]}
+    where |= dict.fromkeys((*t.suffix, *t.late), devices[-1])
+    for name, device in where.items():
+        sub = model.module.get_submodule(name).to(device)
+        sub.register_forward_pre_hook(functools.partial(_move, device), with_kwargs=True)
+    _to_except(model.module, set(where), devices[0])
+
+
+def _to_except(module: nn.Module, placed: set[str], device: torch.device, prefix: str = "") -> None:
+    """Move `module` to `device`, all but the submodules already placed."""
+    if not any(name.startswith(prefix) for name in placed):
+        module.to(device)
+        return
+    for key, buf in module._buffers.items():
+        if buf is not None:
+            module._buffers[key] = buf.to(device)
+    for param in module._parameters.values():
+        if param is not None:
+            param.data = param.data.to(device)
+    for name, child in module.named_children():
+        if prefix + name not in placed:
+            _to_except(child, placed, device, f"{prefix}{name}.")
 
 
 def _move(device: torch.device, _module: nn.Module, args: tuple, kwargs: dict) -> tuple:
@@ -367,12 +452,15 @@ def _move(device: torch.device, _module: nn.Module, args: tuple, kwargs: dict) -
     return tree_map_only(torch.Tensor, to, (args, kwargs))
 
 
-def boundary(model: Model, t: Trace, cuts: list[tuple[int, int]], stage: int, n: int):
+def boundary(
+    model: Model, t: Trace, cuts: list[tuple[int, int]], stage: int, n: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(input, output) of `stage` on n samples of the model's batch, on the CPU: the
     shapes and dtypes a pipeline stage tells its neighbours."""
-    act = example_batch(model, n)[0]
+    x = example_batch(model, n)[0]
+    act = x
     with torch.no_grad():
         for lo, hi in cuts[:stage]:
-            act = cut(model, t, lo, hi)(act)
+            act = cut(model, t, lo, hi).fed([x])(act)
         lo, hi = cuts[stage]
-        return act, cut(model, t, lo, hi)(act)
+        return act, cut(model, t, lo, hi).fed([x])(act)

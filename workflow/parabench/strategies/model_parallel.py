@@ -14,7 +14,6 @@ import torch
 
 from parabench.models import stages
 from parabench.models.base import Model
-from parabench.partition import balanced_cuts
 from parabench.runtime import Context
 from parabench.spec import RunSpec
 from parabench.strategies.base import (
@@ -37,7 +36,7 @@ class ModelParallel(Strategy):
             self._devices = [ctx.device] * n
             self.emulated = n > 1
         how = stages.trace(model)
-        self.stage_cuts = balanced_cuts(how.costs, n)
+        self.stage_cuts = how.cuts(n)
         stages.place(model, how, self.stage_cuts, self._devices)
         self.module = model.module
         self.opt = make_optimizer(self.module.parameters(), spec)

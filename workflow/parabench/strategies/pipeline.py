@@ -28,7 +28,6 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from parabench.marks import OPTIMIZER, SCHEDULE, region
 from parabench.models import stages
 from parabench.models.base import Model
-from parabench.partition import balanced_cuts
 from parabench.runtime import Context
 from parabench.spec import RunSpec
 from parabench.strategies.base import (
@@ -65,7 +64,7 @@ class Pipeline(Strategy):
         n, r = spec.devices, ctx.rank
         self.first, self.last = r == 0, r == n - 1
         how = stages.trace(model)
-        self.stage_cuts = balanced_cuts(how.costs, n)
+        self.stage_cuts = how.cuts(n)
         lo, hi = self.stage_cuts[r]
         cut = stages.cut(model, how, lo, hi)  # on the CPU, where the model was built
 
@@ -73,10 +72,11 @@ class Pipeline(Strategy):
         # data (BCELoss then fails about half the time). Tensors a gradient flows through
         # (every input but the first stage's, every output) must say so, or the stage
         # neither sends nor expects gradients.
-        m = spec.option("microbatches")
+        m = self.microbatches = spec.option("microbatches")
         micro = spec.global_batch // m
         example_in, example_out = stages.boundary(model, how, self.stage_cuts, r, micro)
-        self.module = cut.to(ctx.device).part  # its parameters, named as in the model
+        self.cut = cut.to(ctx.device)
+        self.module = cut.part  # its parameters, named as in the model
         self.opt = make_optimizer(self.module.parameters(), spec)
         wire = DTYPES[spec.precision]  # what crosses a stage boundary
         in_dtype = example_in.dtype if self.first else wire
@@ -100,6 +100,8 @@ class Pipeline(Strategy):
         self.opt.zero_grad(set_to_none=True)
         losses: list[torch.Tensor] = []
         args = (x,) if self.first else ()
+        if not self.first:  # a forward of its own runs on the model's input (stages.py)
+            self.cut.fed(list(x.tensor_split(self.microbatches)))
         kwargs = {"target": y, "losses": losses} if self.last else {}
         with region(SCHEDULE):
             self.schedule.step(*args, **kwargs)
