@@ -39,9 +39,7 @@ from torch import nn
 from torch.utils._pytree import tree_map_only
 from torch.utils.flop_counter import FlopCounterMode
 
-from parabench.flops import block_flops
 from parabench.models.base import Model, example_batch
-from parabench.partition import balanced_cuts
 
 TRACE_BATCH = 3  # samples in the traced forward: a batch dimension tells itself apart
 CHECK_BATCH = 5  # and in the chained check, on other samples: stand-ins must follow
@@ -69,7 +67,9 @@ class Output:
 class Trace:
     """How a model's forward runs its blocks: what a cut needs."""
 
-    costs: list[int]  # per block, what stage balancing weighs (flops.block_flops)
+    # Per block, forward FLOPs, with what runs before and after the blocks on the first
+    # and last: what balances stages (an nn.Sequential's: flops.block_flops)
+    costs: list[int]
     sequential: bool = False  # an nn.Sequential: its blocks chain, nothing else runs
     prefix: tuple[str, ...] = ()  # parts run before the first block (embeddings)
     suffix: tuple[str, ...] = ()  # ... and after the last (final norm, head)
@@ -77,19 +77,13 @@ class Trace:
     stand_ins: dict[str, Output] = field(default_factory=dict)  # prefix parts' outputs
     problem: str | None = None  # why no stage can be cut from it
 
-    def cuts(self, stages: int) -> list[tuple[int, int]]:
-        """Balanced [lo, hi) block ranges, or the reason there are none."""
-        if self.problem:
-            raise ValueError(f"no stage can be cut from this model: {self.problem}")
-        return balanced_cuts(self.costs, stages)
-
 
 def trace(model: Model) -> Trace:
     """Read the forward once on real CPU samples and check a cut at every boundary on
     others (a module with a forward of its own; an nn.Sequential needs no reading). It
     runs on a copy: a forward may change the module's state (buffers, counters)."""
     if model.sequential:
-        return Trace(block_flops(model), sequential=True)
+        return Trace([], sequential=True)
     blocks = model.block_names
     if not blocks:
         return Trace([], problem="no repeated blocks were found to cut between")

@@ -20,8 +20,11 @@ import torch.distributed as dist
 from torch import nn
 
 from parabench.data import Shard
+from parabench.flops import block_flops
 from parabench.marks import BACKWARD, FORWARD, OPTIMIZER, region
 from parabench.models.base import Model
+from parabench.models.stages import Trace
+from parabench.partition import balanced_cuts
 from parabench.runtime import Context
 from parabench.spec import RunSpec
 
@@ -174,6 +177,13 @@ def train_step(
     with region(OPTIMIZER):
         opt.step()
     return loss.detach()
+
+
+def stage_cuts(model: Model, how: Trace, stages: int) -> list[tuple[int, int]]:
+    """[lo, hi) block ranges of balanced FLOPs, or the reason no stage can be cut."""
+    if how.problem:
+        raise ValueError(f"no stage can be cut from this model: {how.problem}")
+    return balanced_cuts(block_flops(model) if how.sequential else how.costs, stages)
 
 
 def gather_state(local: dict[str, torch.Tensor], ctx: Context) -> dict[str, torch.Tensor] | None:

@@ -20,6 +20,7 @@ from parabench.strategies.base import (
     Strategy,
     cpu_params,
     make_optimizer,
+    stage_cuts,
     train_step,
 )
 
@@ -36,7 +37,7 @@ class ModelParallel(Strategy):
             self._devices = [ctx.device] * n
             self.emulated = n > 1
         how = stages.trace(model)
-        self.stage_cuts = how.cuts(n)
+        self.stage_cuts = stage_cuts(model, how, n)
         stages.place(model, how, self.stage_cuts, self._devices)
         self.module = model.module
         self.opt = make_optimizer(self.module.parameters(), spec)

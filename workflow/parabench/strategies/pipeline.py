@@ -36,6 +36,7 @@ from parabench.strategies.base import (
     cpu_params,
     gather_state,
     make_optimizer,
+    stage_cuts,
 )
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
@@ -64,7 +65,7 @@ class Pipeline(Strategy):
         n, r = spec.devices, ctx.rank
         self.first, self.last = r == 0, r == n - 1
         how = stages.trace(model)
-        self.stage_cuts = how.cuts(n)
+        self.stage_cuts = stage_cuts(model, how, n)
         lo, hi = self.stage_cuts[r]
         cut = stages.cut(model, how, lo, hi)  # on the CPU, where the model was built
 
