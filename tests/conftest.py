@@ -212,6 +212,17 @@ HF_INSTALLED = importlib.util.find_spec("transformers") is not None
 # Users' own models in one sweep (each sweep pays Snakemake, the collectives benchmark,
 # aggregation and the report once): examples/my_model.py's Sequential, its module with a
 # forward of its own and its BatchNorm variant; with transformers, Llama and GPT-2.
+# what a model with blocks can run, but the one-process DataParallel and ddp_compress
+EVERY_STRATEGY = [
+    "single",
+    "ddp",
+    "zero1",
+    "fsdp",
+    "tp",
+    "grad_accum",
+    "pipeline",
+    "model_parallel",
+]
 OWN_MODELS = {
     "device": "cpu",
     "models": {
@@ -228,16 +239,7 @@ OWN_MODELS = {
             "factory": "my_model:build_module",
             "args": {"width": 32, "depth": 3},
             "batch_size": 64,
-            "strategies": [
-                "single",
-                "ddp",
-                "zero1",
-                "fsdp",
-                "tp",
-                "grad_accum",
-                "pipeline",
-                "model_parallel",
-            ],
+            "strategies": EVERY_STRATEGY,
             "devices": [2],  # single runs at 1 device whatever the list
         },
         "mine_bn": {
@@ -251,16 +253,7 @@ OWN_MODELS = {
             {
                 "llama": {
                     **LLAMA,
-                    "strategies": [
-                        "single",
-                        "ddp",
-                        "zero1",
-                        "fsdp",
-                        "tp",
-                        "grad_accum",
-                        "pipeline",
-                        "model_parallel",
-                    ],
+                    "strategies": EVERY_STRATEGY,
                     "devices": [2],
                 },
                 # what differs from Llama: Conv1D (no TP, no plan); untied, so that
@@ -268,15 +261,7 @@ OWN_MODELS = {
                 "gpt2": {
                     **GPT2,
                     "config": {**GPT2["config"], "tie_word_embeddings": False},
-                    "strategies": [
-                        "single",
-                        "ddp",
-                        "zero1",
-                        "fsdp",
-                        "tp",
-                        "grad_accum",
-                        "pipeline",
-                    ],
+                    "strategies": EVERY_STRATEGY[:-1],
                     "devices": [2],
                 },
                 "gpt2_tied": {**GPT2, "strategies": ["pipeline", "model_parallel"], "devices": [2]},

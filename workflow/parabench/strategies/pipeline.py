@@ -101,7 +101,7 @@ class Pipeline(Strategy):
         self.opt.zero_grad(set_to_none=True)
         losses: list[torch.Tensor] = []
         args = (x,) if self.first else ()
-        if not self.first:  # a forward of its own runs on the model's input (stages.py)
+        if not (self.first or self.cut.sequential):  # its own forward takes the input
             self.cut.fed(list(x.tensor_split(self.microbatches)))
         kwargs = {"target": y, "losses": losses} if self.last else {}
         with region(SCHEDULE):
