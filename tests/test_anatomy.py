@@ -100,7 +100,7 @@ def test_the_anatomy_closes_and_survives_its_checks(tmp_path, strategy):
     meta = ran(
         tmp_path, strategy, 2, model=WIDE, batch_size=512, steps=36, warmup=4, profile_steps=24
     )
-    crit = anatomy.critical(meta["anatomy_per_rank"])
+    crit = anatomy.critical(meta["anatomy_per_rank"], strategy == "pipeline")
     parts = sum(crit[k] for k in anatomy.PARTS)
     assert parts == pytest.approx(crit["step_s"], rel=1e-9), "the parts are the profiled step"
     row = summary_of(tmp_path)
@@ -122,7 +122,7 @@ def test_the_anatomy_closes_and_survives_its_checks(tmp_path, strategy):
     if strategy == "ddp":
         # a step that all-reduces takes at least as long as one whose collectives return
         # at once
-        assert row["comm_tax_s"] >= 0, row[["step_paired_s", "step_nocomm_s"]]
+        assert row["comm_tax_s"] >= 0, row[["step_time_s", "step_nocomm_s"]]
         # two ranks on two cores: each bound to its own, as srun would
         cores = [set(c) for c in meta["cpu_binding"]]
         assert len(cores) == 2 and not cores[0] & cores[1], cores
@@ -209,16 +209,40 @@ def test_on_gpu_the_streams_are_the_timeline():
     assert a["other_s"] == pytest.approx(20e-6)
 
 
-def test_the_critical_step_is_the_median_of_each_steps_slowest_rank():
-    def step(t):
-        return {"step_s": t, "compute_s": t}
+def part(step, compute, other=0.0, comm=0.0, bubble=0.0) -> dict:
+    return {
+        "step_s": step,
+        "compute_s": compute,
+        "data_s": 0.0,
+        "other_s": other,
+        "comm_exposed_s": comm,
+        "bubble_s": bubble,
+    }
 
-    fast, slow = [step(1), step(5), step(3)], [step(2), step(4), step(9)]
-    # per step the slowest rank: 2, 5, 9 -> the median step is rank 0's second
-    assert anatomy.critical([fast, slow]) == step(5)
-    # of an even number, the middle two averaged part by part: still a whole step
-    even = [step(1), step(5), step(3), step(7)]
-    assert anatomy.critical([even]) == {"step_s": 4, "compute_s": 4}
+
+def test_the_critical_step_is_the_stragglers_work_over_the_slowest_ranks_step():
+    # rank 0 started first and waited 6 for rank 1 at the collective: its step is the
+    # longest, but the step's compute is rank 1's, who everyone waited for
+    first, straggler = [part(10, 3, comm=7)], [part(8, 7, comm=1)]
+    (crit,) = anatomy.critical_steps([first, straggler])
+    assert crit == part(10, 7, comm=1 + 2), "the straggler's parts, its late start waiting"
+    # a pipeline: the bottleneck stage, the rest of the step waiting for a neighbour
+    (crit,) = anatomy.critical_steps([first, [part(8, 7, bubble=1)]], pipelined=True)
+    assert crit == part(10, 7, bubble=3)
+    # per step: work decides, not the step's length
+    assert [
+        c["compute_s"]
+        for c in anatomy.critical_steps([[part(5, 1), part(5, 4)], [part(4, 2), part(3, 3)]])
+    ] == [2, 4]
+
+
+def test_the_critical_anatomy_is_the_central_half_of_its_steps_averaged():
+    steps = [part(t, t - 1, other=1) for t in (9, 2, 5, 4, 3, 30, 6, 5)]
+    # eight steps by step time: 2 3 4 5 | 5 6 9 30 -> drop 2 each end, average 4 5 5 6
+    crit = anatomy.critical([steps])
+    assert crit["step_s"] == pytest.approx(5) and crit["compute_s"] == pytest.approx(4)
+    assert sum(crit[k] for k in anatomy.PARTS) == pytest.approx(crit["step_s"])
+    assert anatomy.critical([[part(3, 1, other=2)]]) == part(3, 1, other=2)
 
 
 def test_volume_reads_sizes_the_nccl_tests_way():
@@ -358,3 +382,60 @@ def test_the_profiled_steps_interleave_with_the_timed_ones():
     assert kinds.count(WARMUP) == 4 + 5 and kinds[-1] == PROFILED
     assert plan(5, 2, 0) == [WARMUP, WARMUP, TIMED, TIMED, TIMED]
     assert plan(4, 1, 1) == [WARMUP, TIMED, TIMED, TIMED, PROFILED]
+
+
+def test_the_no_communication_steps_run_in_blocks_between_the_sessions():
+    """Every kind of step the checks compare is sampled across the whole cell: a block
+    after each profiler session, each block started cold by one untimed step, with
+    batches the plan never uses (the real strategy's stay those of `single`)."""
+    import contextlib
+
+    import torch
+
+    from parabench.loop import PROFILED, Silent, blocks, measure, plan
+
+    order: list[tuple[str, int]] = []
+
+    class Steps:  # a strategy's interface, recording which one ran on which batch
+        def __init__(self, name):
+            self.name = name
+
+        def devices(self):
+            return [torch.device("cpu")]
+
+        def step(self, x, y):
+            order.append((self.name, int(x)))
+            return torch.zeros(())
+
+    class Batches:
+        timed_fetch = False
+
+        def batch(self, step):
+            return torch.tensor(step), None
+
+    class Watch:
+        def watch(self, last):
+            return contextlib.nullcontext()
+
+    kinds = plan(steps=16, warmup=4, profile_steps=6)
+    built, barriers = [], []
+    silent = Silent(
+        lambda: built.append(1) or (Steps("nocomm"), Batches()), lambda: barriers.append(1), 2
+    )
+    out = measure(Steps("real"), Batches(), kinds, watcher=Watch(), silent=silent)
+    assert blocks(kinds) == [i for i, k in enumerate(kinds) if k == PROFILED][2::3]
+    assert built == [1], "the check's copy of the model is built once, at the first block"
+    real = [b for name, b in order if name == "real"]
+    assert real == list(range(len(kinds))), "the plan's own steps and batches, in order"
+    # each block right after a session's last step, 1 untimed + 2 timed, batches unused
+    names = [name for name, _ in order]
+    for end in blocks(kinds):
+        at = order.index(("real", end)) + 1
+        assert names[at : at + 3] == ["nocomm"] * 3
+    used = [b for name, b in order if name == "nocomm"]
+    assert len(used) == 6 and min(used) > len(kinds) and len(set(used)) == 6
+    # two blocks: a barrier before each of their steps, and one before the real step after
+    assert len(out.nocomm_times) == 2 * 2 and len(barriers) == 2 * (3 + 1)
+    assert out.nocomm_times is silent.times
+    # nothing profiled: one block, after the last step
+    assert blocks(plan(5, 2, 0)) == [4]

@@ -40,7 +40,6 @@ _OK_COLUMNS = (
     "profiler_overhead",
     "profiled_step_time_s",
     "step_nocomm_s",
-    "step_paired_s",
     "nocomm_run",
     "tokens_per_sample",
     "step_time_median_s",
@@ -77,16 +76,17 @@ def _env_columns(meta: dict) -> dict:
 ANATOMY = ("compute_s", "comm_s", "comm_exposed_s", "bubble_s", "data_s", "other_s")
 # Per cell, medians over steps: the profiled steps timed like the others, and the
 # no-communication steps.
-STEP_CHECKS = ("profiled_step_time_s", "step_nocomm_s", "step_paired_s")
+STEP_CHECKS = ("profiled_step_time_s", "step_nocomm_s")
 
 
-def _anatomy_columns(meta: dict) -> dict:
-    """The critical anatomy (per profiled step the slowest rank, the median step; see
-    anatomy.critical) and the busiest rank's communication volume."""
+def _anatomy_columns(meta: dict, pipelined: bool) -> dict:
+    """The critical anatomy (per profiled step the straggler's parts over the slowest
+    rank's step, the central half of those steps averaged; see anatomy.critical) and
+    the busiest rank's communication volume."""
     per_rank = [a for a in meta.get("anatomy_per_rank") or [] if a]
     out: dict = {k: np.nan for k in (*ANATOMY, "profiled_step_s")}
     if per_rank:
-        crit = anatomy.critical(per_rank)
+        crit = anatomy.critical(per_rank, pipelined)
         out.update({k: crit[k] for k in ANATOMY}, profiled_step_s=crit["step_s"])
     comm = meta.get("comm_per_rank") or []
     loads = [
@@ -136,7 +136,7 @@ def _cell_row(meta_path: Path, meta: dict) -> tuple[dict, pd.DataFrame | None]:
             # the reference's step on one rank's share at n devices (scaling model)
             "rank_steps": json.dumps(meta["rank_steps"]) if meta.get("rank_steps") else "",
             "options": json.dumps(dict(spec.to_dict()["options"]), sort_keys=True),
-            **_anatomy_columns(meta),
+            **_anatomy_columns(meta, spec.record.pipelined),
             "reorder_rel_diff": meta.get("reorder_rel_diff", np.nan),
             **_env_columns(meta),
             "config_hash": meta.get("config_hash", ""),
@@ -174,10 +174,9 @@ def _cell_row(meta_path: Path, meta: dict) -> tuple[dict, pd.DataFrame | None]:
     profiled = meta.get("profiled_step_times") or []
     row["profiled_step_time_s"] = float(np.median(profiled)) if profiled else np.nan
     row.update(_against_neighbours(spec, steps, profiled, meta.get("anatomy_per_rank") or []))
-    nocomm, paired = meta.get("nocomm_step_times"), meta.get("paired_step_times")
+    nocomm = meta.get("nocomm_step_times")
     # No process group, no communication to switch off: the step is its own check.
     row["step_nocomm_s"] = float(np.median(nocomm)) if nocomm else row["step_time_median_s"]
-    row["step_paired_s"] = float(np.median(paired)) if paired else row["step_time_median_s"]
     row["nocomm_run"] = bool(nocomm)
     return row, steps
 
@@ -191,7 +190,7 @@ def _against_neighbours(
     step over the run's timed one (medians); anatomy_closure: the median over profiled
     steps of the critical rank's parts' sum over its run's timed step."""
     by_step = steps.set_index("step")["step_time_s"]
-    critical = anatomy.critical_steps(anatomies)
+    critical = anatomy.critical_steps(anatomies, spec.record.pipelined)
     ratios, closures, k = [], [], 0
     for run, session in sessions(plan(spec.steps, spec.warmup, spec.profile_steps)):
         timed = by_step.reindex(run).dropna()
@@ -374,7 +373,7 @@ def summarize(
     summary = summary.join(stats.speedup_intervals(summary, steps))
     summary["achieved_flops_per_s"] = summary["flops_per_step"] / summary["step_time_s"]
     summary["mfu"] = summary["achieved_flops_per_s"] / summary["peak_flops_total"]
-    summary["comm_tax_s"] = summary["step_paired_s"] - summary["step_nocomm_s"]
+    summary["comm_tax_s"] = summary["step_time_s"] - summary["step_nocomm_s"]
     summary = summary.join(crosscheck.checks(summary, curves))
     summary = summary.join(scaling.predict(summary, curves, list(VARIANT_KEYS)))
     # Only for models that ran: one that failed may be one nobody can build (too large).

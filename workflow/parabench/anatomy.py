@@ -215,29 +215,46 @@ def _blocked(region: dict) -> float:
     return max(0.0, region["wall_s"] - region["cpu_s"] - region["runq_s"])
 
 
-def critical_steps(per_rank: list[list[dict]]) -> list[dict]:
-    """Per profiled step, the anatomy of the slowest rank: a step's time is the max
-    over ranks (as in steps.csv), and the slowest rank's parts sum to it."""
+def work(part: dict) -> float:
+    """What a rank's step did that was not waiting: compute, data and other."""
+    return part["compute_s"] + part["data_s"] + part["other_s"]
+
+
+def critical_steps(per_rank: list[list[dict]], pipelined: bool = False) -> list[dict]:
+    """Per profiled step, its critical path: the parts of the rank with the most work,
+    the straggler every other rank waits for (in a pipeline, the bottleneck stage),
+    over the slowest rank's step (a step lasts as long as its slowest rank, as in
+    steps.csv). Where the straggler's own step is shorter, it started later or ended
+    sooner than the slowest rank, who waited: waiting for a collective (comm_exposed_s)
+    or, in a pipeline, for a neighbour (bubble_s). The slowest rank's own parts would
+    say its compute is the step's: but it is often the one that started first, and
+    waited longest."""
     ranks = [r for r in per_rank if r]
     if not ranks:
         return []
-    steps = min(len(r) for r in ranks)
-    return [max((r[i] for r in ranks), key=lambda p: p["step_s"]) for i in range(steps)]
+    waiting = "bubble_s" if pipelined else "comm_exposed_s"
+    out = []
+    for i in range(min(len(r) for r in ranks)):
+        at = [r[i] for r in ranks]
+        part = dict(max(at, key=work))
+        slowest = max(p["step_s"] for p in at)
+        part[waiting] = part.get(waiting, 0.0) + slowest - part["step_s"]
+        part["step_s"] = slowest
+        out.append(part)
+    return out
 
 
-def critical(per_rank: list[list[dict]]) -> dict:
-    """The anatomy to set beside the recorded step: the median of the critical steps
-    (critical_steps), whole: robust to one step a neighbour slowed, and its parts
-    still sum to it (a median of each part would not). Of an even number, the mean of
-    the middle two, part by part, as pandas' median of the timed steps."""
-    ordered = sorted(critical_steps(per_rank), key=lambda p: p["step_s"])
+def critical(per_rank: list[list[dict]], pipelined: bool = False) -> dict:
+    """The anatomy to set beside the recorded step: the central half of the critical
+    steps (critical_steps) by step time, averaged part by part (the interquartile
+    mean), so the parts still sum to its step (a median of each part would not) and
+    one step a neighbour slowed, or an odd one, moves it little."""
+    ordered = sorted(critical_steps(per_rank, pipelined), key=lambda p: p["step_s"])
     if not ordered:
         return {}
-    mid = len(ordered) // 2
-    if len(ordered) % 2:
-        return ordered[mid]
-    a, b = ordered[mid - 1], ordered[mid]
-    return {k: (a[k] + b[k]) / 2 for k in a.keys() & b.keys()}
+    cut = len(ordered) // 4
+    middle = ordered[cut : len(ordered) - cut]
+    return {k: sum(p[k] for p in middle) / len(middle) for k in middle[0]}
 
 
 def _numel(dims) -> int:

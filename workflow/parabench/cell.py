@@ -17,17 +17,11 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from parabench import anatomy, envinfo, equivalence, faults, profiling, records, runtime, strategies
 from parabench.data import LoaderBatches, SyntheticBatches
-from parabench.loop import (
-    all_ranks,
-    measure,
-    measure_alternating,
-    plan,
-    run_step,
-    synchronizer,
-)
+from parabench.loop import Silent, all_ranks, blocks, measure, plan, run_step, synchronizer
 from parabench.models import build
 from parabench.models.base import Model
 from parabench.peak import gemm_flops_per_s
@@ -232,14 +226,37 @@ def rank_steps(spec: RunSpec, ctx: runtime.Context) -> dict[str, dict]:
 
 
 # The no-communication check: steps of the same strategy over a group whose collectives
-# return at once (nocomm.py), after the plan, in turn with the real strategy's.
-NOCOMM_STEPS, NOCOMM_WARMUP = 8, 1
+# return at once (nocomm.py), in blocks between the plan's (loop.Silent): this many
+# timed in all, each block's first step untimed.
+NOCOMM_STEPS = 12
+
+
+def _without_comm(
+    spec: RunSpec, ctx: runtime.Context, kinds: list[str], physical: list[torch.device]
+) -> tuple[Silent, dict[str, int | None]] | None:
+    """The no-communication check of a cell, and where it leaves CUDA's memory
+    high-water mark from before its copy of the model existed; none for a cell with no
+    process group (no communication to switch off)."""
+    if not ctx.distributed:
+        return None
+    high_water: dict[str, int | None] = {}
+
+    def build_silent() -> tuple[Strategy, object]:
+        # CUDA's high-water mark so far is the real strategy's alone (loop.Silent)
+        high_water["bytes"] = profiling.high_water(physical)
+        model = build(spec.model, spec.seed)
+        silent = strategies.build(model, spec, ctx.without_comm())
+        return silent, batch_source(model, spec, silent)
+
+    barrier = dist.barrier if ctx.world_size > 1 else lambda: None
+    per_block = -(-NOCOMM_STEPS // len(blocks(kinds)))
+    return Silent(build_silent, barrier, per_block), high_water
 
 
 def _timed(spec: RunSpec, ctx: runtime.Context, out: Path, t_start: float) -> dict:
-    """The plan's steps (warm-up, timed, profiled), then the counted step: this rank's
-    figures, the cell's parameters after every step of the plan, and the strategy with
-    its batches (for the no-communication check)."""
+    """The plan's steps (warm-up, timed, profiled) with the no-communication blocks
+    between them, then the counted step: this rank's figures, and the cell's parameters
+    after every step of the plan."""
     model = build(spec.model, spec.seed)
     strategy = strategies.build(model, spec, ctx)
     batches = batch_source(model, spec, strategy)
@@ -254,7 +271,8 @@ def _timed(spec: RunSpec, ctx: runtime.Context, out: Path, t_start: float) -> di
     fault = faults.for_cell(spec.model_name, spec.strategy, spec.devices, spec.repeat, ctx.rank)
     steps = plan(spec.steps, spec.warmup, spec.profile_steps)
     profiler = profiling.StepProfiler(ctx)
-    measured = measure(strategy, batches, steps, fault, profiler)
+    silent, high_water = _without_comm(spec, ctx, steps, physical) or (None, {})
+    measured = measure(strategy, batches, steps, fault, profiler, silent)
 
     held = strategy.held_bytes()  # between steps: what the rank keeps, not transients
     state = strategy.full_state()  # after every step of the plan, before the counted one
@@ -263,15 +281,12 @@ def _timed(spec: RunSpec, ctx: runtime.Context, out: Path, t_start: float) -> di
     return {
         "measured": measured,
         "state": state,
-        "strategy": (strategy, batches),
-        "next_step": len(steps) + 1,
         "emulated": strategy.emulated,
         "stage_cuts": strategy.stage_cuts,
         "peak_device": peak_device,
         "setup_s": setup_s,
         "rank": {
-            # before the no-communication check builds a second copy of the model
-            "peak_memory": profiling.peak_memory(physical, held, counted),
+            "peak_memory": profiling.peak_memory(physical, held, counted, high_water.get("bytes")),
             "peak_flops": peak_device * len(physical),
             "held_bytes": held,
             "trace": profiler.save(out, counted),
@@ -280,35 +295,17 @@ def _timed(spec: RunSpec, ctx: runtime.Context, out: Path, t_start: float) -> di
             ),
             "regions": profiler.regions,
             "comm": anatomy.volume(counted, spec.record.wire_bytes(spec.precision)),
+            "nocomm_times": measured.nocomm_times,
         },
     }
 
 
-def _without_comm(spec: RunSpec, ctx: runtime.Context, timed: dict) -> dict:
-    """The same strategy and rank workload with every collective returning at once,
-    timed in turn with the real strategy (loop.measure_alternating); nothing for a
-    cell with no process group (no communication to switch off)."""
-    if not ctx.distributed:
-        return {"nocomm_times": None, "paired_times": None}
-    model = build(spec.model, spec.seed)
-    silent = strategies.build(model, spec, ctx.without_comm())
-    pairs = [timed["strategy"], (silent, batch_source(model, spec, silent))]
-    (real, nocomm), window = measure_alternating(
-        pairs, ctx, NOCOMM_STEPS, NOCOMM_WARMUP, timed["next_step"]
-    )
-    timed["measured"].widen(*window)  # timed too: nothing else may run beside them
-    return {"nocomm_times": nocomm, "paired_times": real}
-
-
 def _run(spec: RunSpec, ctx: runtime.Context, out: Path, common: dict, t_start: float) -> None:
     timed = _timed(spec, ctx, out, t_start)
-    checks = _without_comm(spec, ctx, timed)
-    del timed["strategy"]
     measured = timed["measured"]
     per_rank = all_ranks(
         {
             **timed["rank"],
-            **checks,
             "times": measured.times,
             "profiled_times": measured.profiled_times,
             "losses": measured.losses,
@@ -358,19 +355,13 @@ def _run(spec: RunSpec, ctx: runtime.Context, out: Path, common: dict, t_start: 
             # every step of the plan that was profiled, timed like the others (max over
             # ranks): profiled / timed is what profiling cost
             "profiled_step_times": max_over_ranks([r["profiled_times"] for r in per_rank]),
-            # steps of the same strategy with every collective returning at once, and
-            # of the real one timed in turn with them (max over ranks)
-            **{
-                key: (
-                    max_over_ranks([r[times] for r in per_rank])
-                    if per_rank[0][times] is not None
-                    else None
-                )
-                for key, times in (
-                    ("nocomm_step_times", "nocomm_times"),
-                    ("paired_step_times", "paired_times"),
-                )
-            },
+            # steps of the same strategy with every collective returning at once, in
+            # blocks between the plan's (max over ranks)
+            "nocomm_step_times": (
+                max_over_ranks([r["nocomm_times"] for r in per_rank])
+                if per_rank[0]["nocomm_times"] is not None
+                else None
+            ),
             "cpu_binding": [r["cores"] for r in per_rank],
             "ranks_per_core": ctx.ranks_per_core,
             "peak_memory_bytes": max(r["peak_memory"] for r in per_rank),

@@ -9,8 +9,9 @@ marked, and left out of every statistic downstream.
 The profiled steps of the anatomy run between the timed ones (see `plan`) and are timed
 the same way, inside a profiler session (`Watcher.watch`): their times are not the
 cell's, but their ratio to the timed ones is what profiling costs (`profiler_overhead`).
-The no-communication steps (`measure_alternating`) run after the plan, in turn with
-steps of the real strategy.
+The no-communication steps (`Silent`) run in blocks between them, one after each
+profiler session: every kind of step the checks compare is sampled across the whole
+cell, so a shared machine's drift hits them alike.
 """
 
 from __future__ import annotations
@@ -95,6 +96,52 @@ class Watcher(Protocol):
 
 
 @dataclass
+class Silent:
+    """The no-communication check's steps: the same strategy built over a group whose
+    collectives return at once (nocomm.py), run by `measure` in blocks, one after each
+    profiler session (or after the last step when nothing is profiled), each block
+    `warmup` untimed steps then `steps` timed ones. Built at the first block, when the
+    real strategy's memory high-water mark has been reached (warm-up, a timed run, a
+    session) without a second copy of the model beside it. Every step is started by
+    every rank at once (`barrier`, outside the timer): the collectives that would keep
+    the ranks in step return at once, and ranks out of step would take turns on a
+    shared host's cores instead of sharing them as in the timed steps."""
+
+    build: Callable[[], tuple[Strategy, object]]
+    barrier: Callable[[], None]
+    steps: int  # timed per block
+    warmup: int = 1  # per block: its first step after the real strategy's is cold
+    pair: tuple[Strategy, object] | None = None
+    times: list[float] = field(default_factory=list)
+    batch: int = 0  # the next block's first batch index
+
+    def block(self) -> list[tuple[float, float]]:
+        """Run one block; its timed steps' (start, end) Unix times."""
+        if self.pair is None:
+            self.pair = self.build()
+        strategy, batches = self.pair
+        sync = synchronizer(strategy.devices())
+        spans = []
+        for i in range(self.warmup + self.steps):
+            self.barrier()
+            took, _ = run_step(strategy, batches, self.batch, sync)
+            self.batch += 1
+            if i >= self.warmup:
+                self.times.append(took)
+                now = time.time()
+                spans.append((now - took, now))
+        self.barrier()  # the real strategy's next step starts with every rank
+        return spans
+
+
+def blocks(kinds: list[str]) -> list[int]:
+    """The steps of a plan after which a no-communication block runs: the last of each
+    profiler session, or the last step when nothing is profiled."""
+    ends = [i for i, k in enumerate(kinds) if k == PROFILED and kinds[i + 1 : i + 2] != [PROFILED]]
+    return ends or [len(kinds) - 1]
+
+
+@dataclass
 class Measured:
     """Per-step results of one process: the steps it timed (warm-up and timed ones),
     and the profiled steps' times apart."""
@@ -110,6 +157,8 @@ class Measured:
     # The loss of every step that was not timed (profiled), by its index in the plan:
     # with the timed ones', every step's loss (a divergence is dated to the step).
     untimed_losses: dict[int, float] = field(default_factory=dict)
+    # The no-communication steps' times (Silent); None where they did not run.
+    nocomm_times: list[float] | None = None
 
     def widen(self, start: float, end: float) -> None:
         self.window = (min(start, self.window[0]), end) if self.window else (start, end)
@@ -138,12 +187,16 @@ def measure(
     steps: int | list[str],
     fault: Fault | None = None,
     watcher: Watcher | None = None,
+    silent: Silent | None = None,
 ) -> Measured:
     """Run the steps of a plan (or `steps` timed ones), timing every one; the profiled
-    ones under `watcher`."""
+    ones under `watcher`, the no-communication blocks of `silent` between them."""
     kinds = [TIMED] * steps if isinstance(steps, int) else steps
     sync = synchronizer(strategy.devices())
     fault_step = fault.step if fault else -1
+    after = set(blocks(kinds)) if silent else set()
+    if silent:  # batches the plan and the counted step never use
+        silent.batch = len(kinds) + 1
     out = Measured([], [])
     losses: list[torch.Tensor] = []
     untimed: dict[int, torch.Tensor] = {}
@@ -155,44 +208,23 @@ def measure(
             with watcher.watch(last):
                 took, untimed[step] = run_step(strategy, batches, step, sync)
             out.profiled_times.append(took)
-            continue
-        took, loss = run_step(strategy, batches, step, sync)
-        out.times.append(took)
-        losses.append(loss)
-        out.steps.append(step)
-        out.phases.append(kind)
-        if kind == TIMED:
-            now = time.time()
-            out.widen(now - took, now)
+        else:
+            took, loss = run_step(strategy, batches, step, sync)
+            out.times.append(took)
+            losses.append(loss)
+            out.steps.append(step)
+            out.phases.append(kind)
+            if kind == TIMED:
+                now = time.time()
+                out.widen(now - took, now)
+        if step in after:
+            for span in silent.block():
+                out.widen(*span)
     # One host transfer after the loop instead of one per step.
     out.losses = torch.stack(losses).double().cpu().tolist()
     out.untimed_losses = {s: float(v) for s, v in untimed.items()}
+    out.nocomm_times = silent.times if silent else None
     return out
-
-
-def measure_alternating(
-    pairs: list[tuple[Strategy, object]], ctx: Context, steps: int, warmup: int, start: int
-) -> tuple[list[list[float]], tuple[float, float]]:
-    """`steps` rounds after `warmup` ones, each running one step of every (strategy,
-    batches) in `pairs` in turn: the real strategy and the same one without
-    communication, so a shared machine's drift hits both alike. Each step is started
-    by every rank at once (a barrier on the real group, outside the timer) and timed
-    like the plan's: for the strategy whose collectives return at once, the barrier
-    stands in for what they would have done, keeping the ranks in step so they share
-    the host as in the timed steps instead of taking turns on its cores. Returns this
-    rank's times per strategy, and when they ran (Unix seconds). `start`: the first
-    step index (the batches of steps the plan has not used)."""
-    syncs = [synchronizer(strategy.devices()) for strategy, _ in pairs]
-    times: list[list[float]] = [[] for _ in pairs]
-    began = time.time()
-    for i in range(steps + warmup):
-        for (strategy, batches), sync, out in zip(pairs, syncs, times, strict=True):
-            if ctx.distributed and ctx.world_size > 1:
-                dist.barrier()
-            took, _ = run_step(strategy, batches, start + i, sync)
-            if i >= warmup:
-                out.append(took)
-    return times, (began, time.time())
 
 
 def all_ranks(value, ctx: Context) -> list:

@@ -163,11 +163,25 @@ def cpu_alloc_peak(events: list[dict]) -> int:
     return peak
 
 
-def peak_memory(devices: list[torch.device], held: dict[str, int], counted: list[dict]) -> int:
-    """Peak bytes per device of this process: the allocator's high-water mark on CUDA
-    (max over its devices); on CPU, what was held between steps plus the counted
-    step's peak allocation (see the module's docstring)."""
+def high_water(devices: list[torch.device]) -> int | None:
+    """The CUDA allocator's high-water mark, max over these devices (None on CPU)."""
     cuda = [d for d in devices if d.type == "cuda"]
-    if cuda:
-        return max(torch.cuda.max_memory_allocated(d) for d in cuda)
+    return max(torch.cuda.max_memory_allocated(d) for d in cuda) if cuda else None
+
+
+def peak_memory(
+    devices: list[torch.device],
+    held: dict[str, int],
+    counted: list[dict],
+    cuda_high_water: int | None = None,
+) -> int:
+    """Peak bytes per device of this process: on CUDA the allocator's high-water mark
+    (`cuda_high_water`, when taken before another copy of the model shared the
+    devices; else now); on CPU, what was held between steps plus the counted step's
+    peak allocation (see the module's docstring)."""
+    if cuda_high_water is not None:
+        return cuda_high_water
+    mark = high_water(devices)
+    if mark is not None:
+        return mark
     return held["params"] + held["optimizer"] + cpu_alloc_peak(counted)

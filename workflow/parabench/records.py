@@ -248,7 +248,8 @@ SUMMARY_COLUMNS: dict[str, str] = {
     "equivalent": "True: same maths as single; False: differs; empty: not comparable",
     "likely_cause": "where a cell differs: the model's layers that change under this split",
     "emulated": "true when devices were stand-ins (stages all on one CPU)",
-    "compute_s": "critical profiled step (slowest rank, median step): forward, backward, optimizer",
+    "compute_s": "critical profiled step (the straggler's parts over the slowest rank's step, "
+    "interquartile mean over steps): forward, backward, optimizer",
     "comm_s": "all communication's own time (collectives, send/recv), hidden or not",
     "comm_exposed_s": "communication the rank waited for (on CPU also the turns its compute "
     "lost to communication's threads): not hidden by compute",
@@ -263,13 +264,10 @@ SUMMARY_COLUMNS: dict[str, str] = {
     "run just before (medians): what profiling cost a step",
     "step_nocomm_s": "median step of the same strategy with every collective returning at "
     "once (no process group: the step itself): the step on an infinitely fast interconnect",
-    "step_paired_s": "median step of the real strategy, timed in turn with the "
-    "no-communication steps (no process group: the step itself)",
     "nocomm_run": "True where the no-communication steps ran (a process group existed)",
-    "comm_tax_s": "step_paired_s - step_nocomm_s: what communication costs the step",
-    "work_check": "(compute_s + data_s + other_s) / profiled_step_s over step_nocomm_s / "
-    "step_paired_s, less 1: the share of the step not spent waiting, by the anatomy "
-    "against the no-communication run",
+    "comm_tax_s": "step_time_s - step_nocomm_s: what communication costs the step",
+    "work_check": "(compute_s + data_s + other_s) / step_nocomm_s - 1: the part of the "
+    "step not spent waiting, by the anatomy against the no-communication steps",
     "comm_curve_s": "the collectives benchmark's time for the collectives issued, none hidden",
     "comm_check": "comm_s / comm_curve_s - 1",
     "schedule_bubble_s": "pipelines: (n-1)/m of the stage's compute, the schedule's bubble",
