@@ -181,6 +181,23 @@ def test_turns_on_a_core_are_compute_up_to_the_ranks_sharing_it():
     (shared,) = anatomy.anatomy(events, regions, ranks_per_core=2)
     assert shared["compute_s"] == pytest.approx(60e-6)
     assert shared["comm_exposed_s"] == pytest.approx(40e-6)
+    # the rank sharing its core ran 12 µs in the step (a stage idle in its bubble, say):
+    # only those turns are compute's cost, the other 38 waiting for the core gloo's
+    (idle,) = anatomy.anatomy(events, regions, ranks_per_core=2, mates=[12e-6])
+    assert idle["compute_s"] == pytest.approx(42e-6)
+    assert idle["comm_exposed_s"] == pytest.approx(58e-6)
+
+
+def test_the_ranks_sharing_a_core_are_found_from_the_binding():
+    # four ranks on two cores of one host, two on another host's core 0
+    cores = [[("a", 0)], [("a", 0)], [("a", 1)], [("a", 1)], [("b", 0)], [("b", 0)]]
+    ran = [[1.0, 2.0], [10.0, 20.0], [3.0, 3.0], [4.0, 4.0], [5.0, 5.0], [6.0, 6.0]]
+    assert anatomy.mates(0, cores, ran) == [10.0, 20.0]
+    assert anatomy.mates(3, cores, ran) == [3.0, 3.0]
+    assert anatomy.mates(4, cores, ran) == [6.0, 6.0], "a core of another host is not shared"
+    assert anatomy.mates(0, [[("a", 0)], [("a", 1)]], ran) is None
+    steps = [[region("forward", 5, 4), region("step", 9, 7)], [region("step", 3, 2)]]
+    assert anatomy.on_core(steps) == [7e-6, 2e-6]
 
 
 def test_a_stage_waiting_for_its_neighbour_is_bubble_only_in_a_pipeline():

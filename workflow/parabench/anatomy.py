@@ -23,7 +23,9 @@ backward, optimizer (a pipeline's schedule). Within them, by the kernel's accoun
 it waited for a collective or a neighbour. Waiting for a core, it took turns with the
 other threads bound there: with the k - 1 ranks that share its core (k = ranks per core,
 from the binding), which is compute's own cost on this machine, up to (k - 1) times its
-own time on the core; beyond that, with communication's threads (gloo's), which is
+own time on the core and never more than those ranks' main threads ran on it in the
+step (`mates`, gathered from them: a pipeline stage's neighbour on its core idles in
+its bubble); beyond that, with communication's threads (gloo's), which is
 communication's cost. What the rank waited for communication is that, blocked plus
 contention, and never more than the time communication was under way (collectives'
 spans, and torch's own ranges around them: FSDP's gathers and reductions); blocked
@@ -124,11 +126,14 @@ def anatomy(
     regions: list[list[dict]],
     pipelined: bool = False,
     ranks_per_core: float = 1.0,
+    mates: list[float] | None = None,
 ) -> list[dict[str, float]]:
     """Seconds of each part of each profiled step, plus `step_s` (their sum: the
     profiled step) and `comm_s`. `regions`: per profiled step, in order, the marked
     regions with the main thread's figures (marks.Region.as_dict); `ranks_per_core`:
-    how many ranks take turns on each of this rank's cores."""
+    how many ranks take turns on each of this rank's cores; `mates`: per profiled step,
+    the seconds the main threads of the ranks sharing them ran (on_core; None: no
+    bound but k)."""
     windows, main = step_windows(events)
     if not windows:
         return []
@@ -142,9 +147,10 @@ def anatomy(
     if any(e.get("cat") == "kernel" for e in device):
         return [_on_gpu(device, comm, data, pipelined, w) for w in windows]
     ranges = union(_span(e) for e in spans if e.get("tid") == main and _COMM_RANGE.match(e["name"]))
+    mates = mates if mates is not None else [float("inf")] * len(regions)
     return [
-        _on_cpu(step_regions, comm, data, ranges, pipelined, ranks_per_core, w)
-        for step_regions, w in zip(regions, windows, strict=False)
+        _on_cpu(step_regions, comm, data, ranges, pipelined, ranks_per_core, mate, w)
+        for step_regions, mate, w in zip(regions, mates, windows, strict=False)
     ]
 
 
@@ -177,7 +183,14 @@ def _on_gpu(device, comm, data, pipelined: bool, window: Interval) -> dict[str, 
 
 
 def _on_cpu(
-    regions, comm, data, ranges, pipelined: bool, ranks_per_core: float, window: Interval
+    regions,
+    comm,
+    data,
+    ranges,
+    pipelined: bool,
+    ranks_per_core: float,
+    mates: float,
+    window: Interval,
 ) -> dict[str, float]:
     """One step on the main thread (see the module's docstring); region figures are
     seconds, the trace's µs."""
@@ -190,7 +203,8 @@ def _on_cpu(
     on_core = sum(r["cpu_s"] for r in work)
     runq = sum(r["runq_s"] for r in work)
     blocked = sum(_blocked(r) for r in work)
-    contention = max(0.0, runq - (ranks_per_core - 1) * on_core)  # communication's threads
+    turns = min((ranks_per_core - 1) * on_core, mates)  # the ranks sharing its cores
+    contention = max(0.0, runq - turns)  # communication's threads
     # blocked outside the regions (between them) is waiting too
     outside = max(0.0, _blocked(step) - sum(_blocked(r) for r in regions if r is not step))
     # Only while communication was under way can the thread have waited for it (or for
@@ -209,6 +223,22 @@ def _on_cpu(
         comm_exposed_s=0.0 if pipelined else wait,
         comm_s=length(clip(comm, lo, hi)),
     )
+
+
+def on_core(regions: list[list[dict]]) -> list[float]:
+    """Per profiled step, the seconds the main thread ran on a core in its step."""
+    return [next((r["cpu_s"] for r in reversed(s) if r["name"] == "step"), 0.0) for s in regions]
+
+
+def mates(me: int, cores: list[list], ran: list[list[float]]) -> list[float] | None:
+    """Per profiled step, how long the main threads of the ranks bound to any of rank
+    `me`'s cores ran (`cores`: every rank's, as (host, core); `ran`: every rank's
+    on_core); None when it shares no core."""
+    mine = set(cores[me])
+    others = [r for r in range(len(cores)) if r != me and mine & set(cores[r])]
+    if not others:
+        return None
+    return [sum(ran[r][i] for r in others) for i in range(min(len(x) for x in ran))]
 
 
 def _blocked(region: dict) -> float:

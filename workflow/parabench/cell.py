@@ -10,6 +10,7 @@ from __future__ import annotations
 import io
 import math
 import os
+import platform
 import statistics
 import time
 import traceback
@@ -278,6 +279,10 @@ def _timed(spec: RunSpec, ctx: runtime.Context, out: Path, t_start: float) -> di
     state = strategy.full_state()  # after every step of the plan, before the counted one
     sync = synchronizer(physical)
     counted = profiler.count(lambda: run_step(strategy, batches, len(steps), sync))
+    # how long the ranks sharing this rank's cores (on its host) ran in each profiled step
+    host = platform.node()
+    shared = all_ranks(([(host, c) for c in ctx.cores], anatomy.on_core(profiler.regions)), ctx)
+    mates = anatomy.mates(ctx.rank, [c for c, _ in shared], [r for _, r in shared])
     return {
         "measured": measured,
         "state": state,
@@ -291,7 +296,11 @@ def _timed(spec: RunSpec, ctx: runtime.Context, out: Path, t_start: float) -> di
             "held_bytes": held,
             "trace": profiler.save(out, counted),
             "anatomy": anatomy.anatomy(
-                profiler.events, profiler.regions, spec.record.pipelined, ctx.ranks_per_core
+                profiler.events,
+                profiler.regions,
+                spec.record.pipelined,
+                ctx.ranks_per_core,
+                mates,
             ),
             "regions": profiler.regions,
             "comm": anatomy.volume(counted, spec.record.wire_bytes(spec.precision)),
