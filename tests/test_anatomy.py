@@ -189,13 +189,14 @@ def test_turns_on_a_core_are_compute_up_to_the_ranks_sharing_it():
 
 
 def test_the_ranks_sharing_a_core_are_found_from_the_binding():
-    # four ranks on two cores of one host, two on another host's core 0
-    cores = [[("a", 0)], [("a", 0)], [("a", 1)], [("a", 1)], [("b", 0)], [("b", 0)]]
-    ran = [[1.0, 2.0], [10.0, 20.0], [3.0, 3.0], [4.0, 4.0], [5.0, 5.0], [6.0, 6.0]]
-    assert anatomy.mates(0, cores, ran) == [10.0, 20.0]
-    assert anatomy.mates(3, cores, ran) == [3.0, 3.0]
-    assert anatomy.mates(4, cores, ran) == [6.0, 6.0], "a core of another host is not shared"
-    assert anatomy.mates(0, [[("a", 0)], [("a", 1)]], ran) is None
+    # five ranks on two cores of one host (rank 4 alone on core 2), two on another
+    # host's core 0: each rank's own count, not the host's average
+    cores = [[("a", 0)], [("a", 0)], [("a", 1)], [("a", 1)], [("a", 2)], [("b", 0)], [("b", 0)]]
+    ran = [[1.0, 2.0], [10.0, 20.0], [3.0, 3.0], [4.0, 4.0], [9.0, 9.0], [5.0, 5.0], [6.0, 6.0]]
+    assert anatomy.sharing(0, cores, ran) == (2, [10.0, 20.0])
+    assert anatomy.sharing(3, cores, ran) == (2, [3.0, 3.0])
+    assert anatomy.sharing(4, cores, ran) == (1, [0.0, 0.0]), "alone: no turns to count"
+    assert anatomy.sharing(5, cores, ran) == (2, [6.0, 6.0]), "another host's core 0"
     steps = [[region("forward", 5, 4), region("step", 9, 7)], [region("step", 3, 2)]]
     assert anatomy.on_core(steps) == [7e-6, 2e-6]
 
@@ -246,11 +247,14 @@ def test_the_critical_step_is_the_stragglers_work_over_the_slowest_ranks_step():
     # a pipeline: the bottleneck stage, the rest of the step waiting for a neighbour
     (crit,) = anatomy.critical_steps([first, [part(8, 7, bubble=1)]], pipelined=True)
     assert crit == part(10, 7, bubble=3)
-    # per step: work decides, not the step's length
+    # per step: what a rank computed decides, not its step's length (nor its other_s:
+    # on CUDA host stalls, time a waiting rank may have too)
     assert [
         c["compute_s"]
         for c in anatomy.critical_steps([[part(5, 1), part(5, 4)], [part(4, 2), part(3, 3)]])
     ] == [2, 4]
+    (crit,) = anatomy.critical_steps([[part(5, 1, other=3)], [part(4, 2)]])
+    assert crit["compute_s"] == 2
 
 
 def test_the_critical_anatomy_is_the_central_half_of_its_steps_averaged():
@@ -260,6 +264,10 @@ def test_the_critical_anatomy_is_the_central_half_of_its_steps_averaged():
     assert crit["step_s"] == pytest.approx(5) and crit["compute_s"] == pytest.approx(4)
     assert sum(crit[k] for k in anatomy.PARTS) == pytest.approx(crit["step_s"])
     assert anatomy.critical([[part(3, 1, other=2)]]) == part(3, 1, other=2)
+    # fewer than four steps: the median one, as an average of three would let one odd
+    # step move it fully
+    assert anatomy.critical([[part(2, 1), part(30, 29), part(3, 2)]]) == part(3, 2)
+    assert anatomy.critical([[part(2, 1), part(4, 3)]])["compute_s"] == pytest.approx(2)
 
 
 def test_volume_reads_sizes_the_nccl_tests_way():
@@ -412,6 +420,7 @@ def test_the_no_communication_steps_run_in_blocks_between_the_sessions():
     from parabench.loop import PROFILED, Silent, blocks, measure, plan
 
     order: list[tuple[str, int]] = []
+    draws: list[tuple[str, float]] = []
 
     class Steps:  # a strategy's interface, recording which one ran on which batch
         def __init__(self, name):
@@ -422,6 +431,7 @@ def test_the_no_communication_steps_run_in_blocks_between_the_sessions():
 
         def step(self, x, y):
             order.append((self.name, int(x)))
+            draws.append((self.name, float(torch.rand(()))))  # dropout, say
             return torch.zeros(())
 
     class Batches:
@@ -454,5 +464,21 @@ def test_the_no_communication_steps_run_in_blocks_between_the_sessions():
     # two blocks: a barrier before each of their steps, and one before the real step after
     assert len(out.nocomm_times) == 2 * 2 and len(barriers) == 2 * (3 + 1)
     assert out.nocomm_times is silent.times
+    # the check draws on a forked random state: the real strategy's draws are those it
+    # makes without the check
+    draws.clear()
+    torch.manual_seed(0)
+    measure(Steps("real"), Batches(), kinds, watcher=Watch())
+    alone = [d for _, d in draws]
+    draws.clear()
+    torch.manual_seed(0)
+    measure(
+        Steps("real"),
+        Batches(),
+        kinds,
+        watcher=Watch(),
+        silent=Silent(lambda: (Steps("nocomm"), Batches()), lambda: None, 2),
+    )
+    assert [d for name, d in draws if name == "real"] == alone
     # nothing profiled: one block, after the last step
     assert blocks(plan(5, 2, 0)) == [4]

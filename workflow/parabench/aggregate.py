@@ -188,7 +188,7 @@ def _against_neighbours(
     not against the whole cell: a shared machine drifts more over a cell than between
     neighbours. profiler_overhead: the median over sessions of the session's profiled
     step over the run's timed one (medians); anatomy_closure: the median over profiled
-    steps of the critical rank's parts' sum over its run's timed step."""
+    steps of the critical parts' sum over its run's timed step."""
     by_step = steps.set_index("step")["step_time_s"]
     critical = anatomy.critical_steps(anatomies, spec.record.pipelined)
     ratios, closures, k = [], [], 0

@@ -230,35 +230,32 @@ def on_core(regions: list[list[dict]]) -> list[float]:
     return [next((r["cpu_s"] for r in reversed(s) if r["name"] == "step"), 0.0) for s in regions]
 
 
-def mates(me: int, cores: list[list], ran: list[list[float]]) -> list[float] | None:
-    """Per profiled step, how long the main threads of the ranks bound to any of rank
-    `me`'s cores ran (`cores`: every rank's, as (host, core); `ran`: every rank's
-    on_core); None when it shares no core."""
+def sharing(me: int, cores: list[list], ran: list[list[float]]) -> tuple[int, list[float]]:
+    """The ranks taking turns on rank `me`'s cores, itself included (its own k: a host's
+    ranks may share unevenly), and per profiled step how long the main threads of the
+    others ran (`cores`: every rank's, as (host, core); `ran`: every rank's on_core)."""
     mine = set(cores[me])
     others = [r for r in range(len(cores)) if r != me and mine & set(cores[r])]
-    if not others:
-        return None
-    return [sum(ran[r][i] for r in others) for i in range(min(len(x) for x in ran))]
+    steps = range(min(len(x) for x in ran))
+    return 1 + len(others), [sum(ran[r][i] for r in others) for i in steps]
 
 
 def _blocked(region: dict) -> float:
     return max(0.0, region["wall_s"] - region["cpu_s"] - region["runq_s"])
 
 
-def work(part: dict) -> float:
-    """What a rank's step did that was not waiting: compute, data and other."""
-    return part["compute_s"] + part["data_s"] + part["other_s"]
-
-
 def critical_steps(per_rank: list[list[dict]], pipelined: bool = False) -> list[dict]:
-    """Per profiled step, its critical path: the parts of the rank with the most work,
-    the straggler every other rank waits for (in a pipeline, the bottleneck stage),
-    over the slowest rank's step (a step lasts as long as its slowest rank, as in
-    steps.csv). Where the straggler's own step is shorter, it started later or ended
-    sooner than the slowest rank, who waited: waiting for a collective (comm_exposed_s)
-    or, in a pipeline, for a neighbour (bubble_s). The slowest rank's own parts would
-    say its compute is the step's: but it is often the one that started first, and
-    waited longest."""
+    """Per profiled step, the straggler's parts stretched to the slowest rank's step:
+    the rank that computed most (compute + data; in a pipeline, the bottleneck stage),
+    the one every other rank waits for, over the slowest rank's step (a step lasts as
+    long as its slowest rank, as in steps.csv). Where the straggler's own step is
+    shorter, it started later or ended sooner than the slowest rank, who waited: the
+    difference is waiting, for other ranks at a collective (comm_exposed_s) or, in a
+    pipeline, for a neighbour (bubble_s). The slowest rank's own parts would say its
+    compute is the step's: but it is often the one that started first and waited
+    longest. With several points where ranks meet (FSDP's gathers, tensor parallel's
+    reductions), a different rank may be the last to arrive at each: one rank's parts
+    are then a lower bound on the compute the step waited for."""
     ranks = [r for r in per_rank if r]
     if not ranks:
         return []
@@ -266,7 +263,7 @@ def critical_steps(per_rank: list[list[dict]], pipelined: bool = False) -> list[
     out = []
     for i in range(min(len(r) for r in ranks)):
         at = [r[i] for r in ranks]
-        part = dict(max(at, key=work))
+        part = dict(max(at, key=lambda p: p["compute_s"] + p["data_s"]))
         slowest = max(p["step_s"] for p in at)
         part[waiting] = part.get(waiting, 0.0) + slowest - part["step_s"]
         part["step_s"] = slowest
@@ -278,11 +275,12 @@ def critical(per_rank: list[list[dict]], pipelined: bool = False) -> dict:
     """The anatomy to set beside the recorded step: the central half of the critical
     steps (critical_steps) by step time, averaged part by part (the interquartile
     mean), so the parts still sum to its step (a median of each part would not) and
-    one step a neighbour slowed, or an odd one, moves it little."""
+    one step a neighbour slowed, or an odd one, moves it little. Of fewer than four
+    steps, the median step (of two, both averaged)."""
     ordered = sorted(critical_steps(per_rank, pipelined), key=lambda p: p["step_s"])
     if not ordered:
         return {}
-    cut = len(ordered) // 4
+    cut = len(ordered) // 4 if len(ordered) >= 4 else (len(ordered) - 1) // 2
     middle = ordered[cut : len(ordered) - cut]
     return {k: sum(p[k] for p in middle) / len(middle) for k in middle[0]}
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import io
 import math
 import os
-import platform
+import socket
 import statistics
 import time
 import traceback
@@ -234,24 +234,23 @@ NOCOMM_STEPS = 12
 
 def _without_comm(
     spec: RunSpec, ctx: runtime.Context, kinds: list[str], physical: list[torch.device]
-) -> tuple[Silent, dict[str, int | None]] | None:
-    """The no-communication check of a cell, and where it leaves CUDA's memory
-    high-water mark from before its copy of the model existed; none for a cell with no
-    process group (no communication to switch off)."""
+) -> Silent | None:
+    """The no-communication check of a cell; none for a cell with no process group (no
+    communication to switch off)."""
     if not ctx.distributed:
         return None
-    high_water: dict[str, int | None] = {}
 
     def build_silent() -> tuple[Strategy, object]:
-        # CUDA's high-water mark so far is the real strategy's alone (loop.Silent)
-        high_water["bytes"] = profiling.high_water(physical)
+        # CUDA's high-water mark so far is the real strategy's alone
+        check.peak_before = profiling.high_water(physical)
         model = build(spec.model, spec.seed)
         silent = strategies.build(model, spec, ctx.without_comm())
         return silent, batch_source(model, spec, silent)
 
     barrier = dist.barrier if ctx.world_size > 1 else lambda: None
     per_block = -(-NOCOMM_STEPS // len(blocks(kinds)))
-    return Silent(build_silent, barrier, per_block), high_water
+    check = Silent(build_silent, barrier, per_block, physical)
+    return check
 
 
 def _timed(spec: RunSpec, ctx: runtime.Context, out: Path, t_start: float) -> dict:
@@ -272,17 +271,28 @@ def _timed(spec: RunSpec, ctx: runtime.Context, out: Path, t_start: float) -> di
     fault = faults.for_cell(spec.model_name, spec.strategy, spec.devices, spec.repeat, ctx.rank)
     steps = plan(spec.steps, spec.warmup, spec.profile_steps)
     profiler = profiling.StepProfiler(ctx)
-    silent, high_water = _without_comm(spec, ctx, steps, physical) or (None, {})
+    silent = _without_comm(spec, ctx, steps, physical)
     measured = measure(strategy, batches, steps, fault, profiler, silent)
+    earlier = None
+    if silent is not None:
+        # The check's copy of the model goes: the counted step's memory is the real
+        # strategy's alone, with the high-water mark from before the copy existed.
+        silent.pair, earlier = None, silent.peak_before
+        for d in physical:
+            if d.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(d)
 
     held = strategy.held_bytes()  # between steps: what the rank keeps, not transients
     state = strategy.full_state()  # after every step of the plan, before the counted one
     sync = synchronizer(physical)
     counted = profiler.count(lambda: run_step(strategy, batches, len(steps), sync))
-    # how long the ranks sharing this rank's cores (on its host) ran in each profiled step
-    host = platform.node()
-    shared = all_ranks(([(host, c) for c in ctx.cores], anatomy.on_core(profiler.regions)), ctx)
-    mates = anatomy.mates(ctx.rank, [c for c, _ in shared], [r for _, r in shared])
+    # the ranks sharing this rank's cores (on its host), and how long they ran in each
+    # profiled step; without a binding, the host's average and no bound
+    k, mates = ctx.ranks_per_core, None
+    if ctx.cores:
+        host = socket.gethostname()
+        ran = all_ranks(([(host, c) for c in ctx.cores], anatomy.on_core(profiler.regions)), ctx)
+        k, mates = anatomy.sharing(ctx.rank, [c for c, _ in ran], [r for _, r in ran])
     return {
         "measured": measured,
         "state": state,
@@ -291,7 +301,7 @@ def _timed(spec: RunSpec, ctx: runtime.Context, out: Path, t_start: float) -> di
         "peak_device": peak_device,
         "setup_s": setup_s,
         "rank": {
-            "peak_memory": profiling.peak_memory(physical, held, counted, high_water.get("bytes")),
+            "peak_memory": profiling.peak_memory(physical, held, counted, earlier),
             "peak_flops": peak_device * len(physical),
             "held_bytes": held,
             "trace": profiler.save(out, counted),
@@ -299,7 +309,7 @@ def _timed(spec: RunSpec, ctx: runtime.Context, out: Path, t_start: float) -> di
                 profiler.events,
                 profiler.regions,
                 spec.record.pipelined,
-                ctx.ranks_per_core,
+                k,
                 mates,
             ),
             "regions": profiler.regions,

@@ -6,7 +6,7 @@
   For a pipeline that step has no bubble either (its stages no longer wait for each
   other), so it is the stages' own compute. The no-communication steps run in blocks
   between the plan's, one after each profiler session (loop.Silent), so both figures
-  are medians over the same stretches of the cell: a shared machine's drift moves
+  are taken over the same stretches of the cell: a shared machine's drift moves
   them alike. The profiled steps' own cost (`profiler_overhead`) is in the anatomy's
   figure, as it is in its parts.
 - Communication: all of it (`comm_s`, hidden or not) against the collectives benchmark

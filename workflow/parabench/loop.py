@@ -102,7 +102,9 @@ class Silent:
     profiler session (or after the last step when nothing is profiled), each block
     `warmup` untimed steps then `steps` timed ones. Built at the first block, when the
     real strategy's memory high-water mark has been reached (warm-up, a timed run, a
-    session) without a second copy of the model beside it. Every step is started by
+    session) without a second copy of the model beside it (`peak_before`, set by
+    `build`). Its steps draw on a forked random state, so the real strategy's draws
+    (dropout) are those it makes without the check. Every step is started by
     every rank at once (`barrier`, outside the timer): the collectives that would keep
     the ranks in step return at once, and ranks out of step would take turns on a
     shared host's cores instead of sharing them as in the timed steps."""
@@ -110,26 +112,30 @@ class Silent:
     build: Callable[[], tuple[Strategy, object]]
     barrier: Callable[[], None]
     steps: int  # timed per block
+    devices: list[torch.device] = field(default_factory=list)  # whose random state to fork
     warmup: int = 1  # per block: its first step after the real strategy's is cold
     pair: tuple[Strategy, object] | None = None
     times: list[float] = field(default_factory=list)
     batch: int = 0  # the next block's first batch index
+    peak_before: int | None = None  # CUDA's high-water mark when `build` ran
 
     def block(self) -> list[tuple[float, float]]:
         """Run one block; its timed steps' (start, end) Unix times."""
-        if self.pair is None:
-            self.pair = self.build()
-        strategy, batches = self.pair
-        sync = synchronizer(strategy.devices())
+        cuda = [d.index or 0 for d in self.devices if d.type == "cuda"]
         spans = []
-        for i in range(self.warmup + self.steps):
-            self.barrier()
-            took, _ = run_step(strategy, batches, self.batch, sync)
-            self.batch += 1
-            if i >= self.warmup:
-                self.times.append(took)
-                now = time.time()
-                spans.append((now - took, now))
+        with torch.random.fork_rng(devices=cuda):
+            if self.pair is None:
+                self.pair = self.build()
+            strategy, batches = self.pair
+            sync = synchronizer(strategy.devices())
+            for i in range(self.warmup + self.steps):
+                self.barrier()
+                took, _ = run_step(strategy, batches, self.batch, sync)
+                self.batch += 1
+                if i >= self.warmup:
+                    self.times.append(took)
+                    now = time.time()
+                    spans.append((now - took, now))
         self.barrier()  # the real strategy's next step starts with every rank
         return spans
 

@@ -18,7 +18,9 @@ Memory on CPU: torch.profiler's memory events name each block allocated and free
 What a step needs at its peak is what was already held between steps (parameters and
 optimizer state, counted from the tensors; the previous gradients are freed by
 zero_grad before anything is allocated) plus the peak of the bytes the step itself
-had allocated and not yet freed. On CUDA the allocator's high-water mark says it.
+had allocated and not yet freed. On CUDA the allocator's high-water mark says it: over
+the plan's steps until the no-communication check's copy of the model is built (loop.
+Silent), and over the counted step, after that copy is gone.
 """
 
 from __future__ import annotations
@@ -173,15 +175,13 @@ def peak_memory(
     devices: list[torch.device],
     held: dict[str, int],
     counted: list[dict],
-    cuda_high_water: int | None = None,
+    earlier: int | None = None,
 ) -> int:
-    """Peak bytes per device of this process: on CUDA the allocator's high-water mark
-    (`cuda_high_water`, when taken before another copy of the model shared the
-    devices; else now); on CPU, what was held between steps plus the counted step's
-    peak allocation (see the module's docstring)."""
-    if cuda_high_water is not None:
-        return cuda_high_water
+    """Peak bytes per device of this process: on CUDA the allocator's high-water mark,
+    the larger of now and `earlier` (one taken before the marks were reset: before
+    another copy of the model shared the devices); on CPU, what was held between steps
+    plus the counted step's peak allocation (see the module's docstring)."""
     mark = high_water(devices)
     if mark is not None:
-        return mark
+        return max(mark, earlier or 0)
     return held["params"] + held["optimizer"] + cpu_alloc_peak(counted)

@@ -247,10 +247,10 @@ def why(row, curves: pd.DataFrame) -> str:
     if share["comm_exposed_s"] >= 0.02 and row.get("comm_by_op"):
         ops = json.loads(row["comm_by_op"])
         top = max(ops, key=lambda k: ops[k]["bytes"]) if ops else None
-        said = f"{share['comm_exposed_s']:.0%} is {comm_words(row['comm_by_op'])} per rank"
+        said = f"{share['comm_exposed_s']:.0%} is waiting: {comm_words(row['comm_by_op'])} per rank"
         if top and (bw := busbw_at(curves, top, n, ops[top]["bytes"] / max(1, ops[top]["count"]))):
             said += f" at {bw:.2g} GB/s bus bandwidth"
-        pieces.append(said + " that compute did not hide")
+        pieces.append(said + " that compute did not hide, and slower ranks")
     if share["bubble_s"] >= 0.02:
         pieces.append(f"{share['bubble_s']:.0%} is pipeline bubble (stages waiting on a neighbour)")
     if share["data_s"] >= 0.02:
