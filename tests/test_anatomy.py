@@ -156,6 +156,25 @@ def test_a_ranks_wait_is_its_blocked_time_while_communication_is_under_way():
     assert sum(a[k] for k in anatomy.PARTS) == pytest.approx(a["step_s"]) == pytest.approx(1e-4)
 
 
+def test_a_collectives_own_call_on_the_main_thread_is_communication():
+    """The same step, DDP launching its all-reduce from backward: 8 µs in c10d's call on
+    the main thread, on its core (gloo takes the tensors; with every collective
+    returning at once it would not), then 20 blocked in the wait. Compute 62, waiting
+    28; a wait's own range is not a call (its blocked time is counted already)."""
+    events = [
+        ev(anatomy.STEP_MARK, 0, 100, cat="user_annotation"),
+        ev("c10d::allreduce_", 52, 8),
+        ev("c10d::wait", 70, 20),
+        ev("_c10d_functional::wait_tensor", 70, 20),
+        ev("gloo:all_reduce", 60, 30, tid=2, cat="user_annotation"),
+    ]
+    regions = [[region("forward", 40, 40), region("backward", 50, 30), region("step", 100, 90)]]
+    (a,) = anatomy.anatomy(events, regions)
+    assert a["compute_s"] == pytest.approx(62e-6)
+    assert a["comm_exposed_s"] == pytest.approx(28e-6)
+    assert sum(a[k] for k in anatomy.PARTS) == pytest.approx(a["step_s"])
+
+
 def test_blocked_without_communication_is_computing():
     """A step with no collective (single, two intra-op threads): the main thread
     blocked 10 µs waiting for its own worker thread; that is compute, not a wait."""

@@ -27,12 +27,14 @@ own time on the core and never more than those ranks' main threads ran on it in 
 step (`mates`, gathered from them: a pipeline stage's neighbour on its core idles in
 its bubble); beyond that, with communication's threads (gloo's), which is
 communication's cost. What the rank waited for communication is that, blocked plus
-contention, and never more than the time communication was under way (collectives'
+contention, plus its time in the collectives' own calls (c10d's ops on the main thread:
+launching a collective, on gloo handing it to gloo's threads; in the no-communication
+step they return at once), and never more than the time communication was under way (collectives'
 spans, and torch's own ranges around them: FSDP's gathers and reductions); blocked
 beyond it, the thread waited for its own intra-op threads. Compute is the regions' time
-less that wait: work the main thread does for communication (FSDP's copies into and
-out of its buffers, launching a collective) is compute, as it is in the
-no-communication step it is checked against.
+less that wait: work the main thread does around communication (FSDP's copies into and
+out of its buffers) is compute, as it is in the no-communication step it is checked
+against.
 
 comm is every collective's and send/recv's own time (union over threads or streams),
 hidden or not. Communication volume is counted from the c10d ops the counted step
@@ -60,6 +62,8 @@ _COMM = re.compile(
 # torch's own ranges around communication on the main thread (FSDP's all-gathers, their
 # waits and its reduce-scatters): communication is under way while they last.
 _COMM_RANGE = re.compile(r"^(FSDP::all_gather \(|FSDP::post_backward_reduce|FSDP::.*wait)")
+# The collectives' own calls on the main thread (not their waits): launching them.
+_LAUNCH = re.compile(r"^(c10d::|_c10d_functional::|c10d_functional::)(?!.*wait)")
 _RECV = re.compile(r"^(ncclDevKernel_SendRecv|ncclKernel_SendRecv)")
 _H2D = re.compile(r"Memcpy HtoD|memcpy.*HtoD", re.I)
 _ELEMENT = {"float": 4, "c10::BFloat16": 2, "c10::Half": 2, "double": 8, "long int": 8, "int": 4}
@@ -146,10 +150,12 @@ def anatomy(
     )
     if any(e.get("cat") == "kernel" for e in device):
         return [_on_gpu(device, comm, data, pipelined, w) for w in windows]
-    ranges = union(_span(e) for e in spans if e.get("tid") == main and _COMM_RANGE.match(e["name"]))
+    mine = [e for e in spans if e.get("tid") == main]
+    ranges = union(_span(e) for e in mine if _COMM_RANGE.match(e["name"]))
+    launch = union(_span(e) for e in mine if _LAUNCH.match(e["name"]))
     mates = mates if mates is not None else [float("inf")] * len(regions)
     return [
-        _on_cpu(step_regions, comm, data, ranges, pipelined, ranks_per_core, mate, w)
+        _on_cpu(step_regions, comm, data, ranges, launch, pipelined, ranks_per_core, mate, w)
         for step_regions, mate, w in zip(regions, mates, windows, strict=False)
     ]
 
@@ -187,6 +193,7 @@ def _on_cpu(
     comm,
     data,
     ranges,
+    launch,
     pipelined: bool,
     ranks_per_core: float,
     mates: float,
@@ -211,7 +218,10 @@ def _on_cpu(
     # a neighbour's send): blocked beyond that, it waited for its own intra-op threads,
     # which is part of computing.
     during = length(clip(union(comm + ranges), lo, hi)) / 1e6
-    waited = min(wall, blocked + contention, during)
+    # In the collectives' own calls it communicated, on its core or not (what it was
+    # blocked or kept from its core there is counted twice: microseconds a call).
+    calls = length(clip(launch, lo, hi)) / 1e6
+    waited = min(wall, blocked + contention + calls, during)
     wait = (waited + min(outside, during - waited)) * 1e6
     compute = (wall - waited) * 1e6
     wall = step["wall_s"] * 1e6
