@@ -501,3 +501,33 @@ def test_the_no_communication_steps_run_in_blocks_between_the_sessions():
     assert [d for name, d in draws if name == "real"] == alone
     # nothing profiled: one block, after the last step
     assert blocks(plan(5, 2, 0)) == [4]
+
+
+def test_the_work_check_pairs_each_session_with_the_block_after_it():
+    """A machine that turns twice as fast after the first session and its block: each
+    session's work is checked against the block run right after it, at the same speed,
+    not against a median over the cell."""
+    from parabench.loop import TIMED, plan, sessions
+
+    spec = tiny_spec("ddp", 2, steps=10, warmup=2, profile_steps=6)
+    kinds = plan(spec.steps, spec.warmup, spec.profile_steps)
+    found = sessions(kinds)
+    assert len(found) == 2
+    slow = set(range(found[0][1][-1] + 1))  # up to the first session and its block
+    steps = pd.DataFrame(
+        {
+            "step": [i for i, k in enumerate(kinds) if k == TIMED],
+            "step_time_s": [0.02 if i in slow else 0.01 for i, k in enumerate(kinds) if k == TIMED],
+        }
+    )
+    work = [0.02] * 3 + [0.01] * 3  # the sessions' critical work, one rank
+    anatomies = [[part(w, w) for w in work]]
+    nocomm = [0.02] * 3 + [0.01] * 3  # a block of three after each session
+    got = aggregate._against_neighbours(spec, steps, work, anatomies, nocomm)
+    assert got["work_ratio"] == pytest.approx(1.0)
+    # against a block that is the anatomy's half, it says so
+    got = aggregate._against_neighbours(spec, steps, work, anatomies, [0.04] * 3 + [0.02] * 3)
+    assert got["work_ratio"] == pytest.approx(0.5)
+    # no process group: each session against the timed run before it
+    got = aggregate._against_neighbours(spec, steps, work, anatomies, None)
+    assert got["work_ratio"] == pytest.approx(1.0)

@@ -37,6 +37,7 @@ from parabench.spec import ModelSpec, RunSpec
 # Filled from the ok cells only; NaN where none ran.
 _OK_COLUMNS = (
     "anatomy_closure",
+    "work_ratio",
     "profiler_overhead",
     "profiled_step_time_s",
     "step_nocomm_s",
@@ -173,8 +174,10 @@ def _cell_row(meta_path: Path, meta: dict) -> tuple[dict, pd.DataFrame | None]:
     )
     profiled = meta.get("profiled_step_times") or []
     row["profiled_step_time_s"] = float(np.median(profiled)) if profiled else np.nan
-    row.update(_against_neighbours(spec, steps, profiled, meta.get("anatomy_per_rank") or []))
     nocomm = meta.get("nocomm_step_times")
+    row.update(
+        _against_neighbours(spec, steps, profiled, meta.get("anatomy_per_rank") or [], nocomm)
+    )
     # No process group, no communication to switch off: the step is its own check.
     row["step_nocomm_s"] = float(np.median(nocomm)) if nocomm else row["step_time_median_s"]
     row["nocomm_run"] = bool(nocomm)
@@ -182,17 +185,27 @@ def _cell_row(meta_path: Path, meta: dict) -> tuple[dict, pd.DataFrame | None]:
 
 
 def _against_neighbours(
-    spec: RunSpec, steps: pd.DataFrame, profiled: list[float], anatomies: list
+    spec: RunSpec,
+    steps: pd.DataFrame,
+    profiled: list[float],
+    anatomies: list,
+    nocomm: list[float] | None = None,
 ) -> dict:
-    """Each profiler session against the timed run just before it (loop.sessions),
-    not against the whole cell: a shared machine drifts more over a cell than between
-    neighbours. profiler_overhead: the median over sessions of the session's profiled
-    step over the run's timed one (medians); anatomy_closure: the median over profiled
-    steps of the critical parts' sum over its run's timed step."""
+    """Each profiler session against its neighbours, not against the whole cell: a
+    shared machine drifts more over a cell (this VM's steps can turn 40% faster
+    between two sessions) than between neighbours. profiler_overhead: the median over
+    sessions of the session's profiled step over the timed run just before it
+    (medians, loop.sessions); anatomy_closure: the median over profiled steps of the
+    critical parts' sum over that run's timed step; work_ratio: the median over
+    sessions of the critical compute + data + other (median) over the
+    no-communication block run right after the session (loop.blocks; without one,
+    over the timed run)."""
     by_step = steps.set_index("step")["step_time_s"]
     critical = anatomy.critical_steps(anatomies, spec.record.pipelined)
-    ratios, closures, k = [], [], 0
-    for run, session in sessions(plan(spec.steps, spec.warmup, spec.profile_steps)):
+    found = sessions(plan(spec.steps, spec.warmup, spec.profile_steps))
+    per_block = len(nocomm) // len(found) if nocomm and found else 0
+    ratios, closures, works, k = [], [], [], 0
+    for i, (run, session) in enumerate(found):
         timed = by_step.reindex(run).dropna()
         mine, parts = profiled[k : k + len(session)], critical[k : k + len(session)]
         k += len(session)
@@ -201,9 +214,14 @@ def _against_neighbours(
         base = float(timed.median())
         ratios.append(float(np.median(mine)) / base)
         closures += [p["step_s"] / base for p in parts]
+        check = nocomm[i * per_block : (i + 1) * per_block] if per_block else [base]
+        if parts:
+            work = np.median([p["compute_s"] + p["data_s"] + p["other_s"] for p in parts])
+            works.append(float(work) / float(np.median(check)))
     return {
         "profiler_overhead": float(np.median(ratios)) if ratios else np.nan,
         "anatomy_closure": float(np.median(closures)) if closures else np.nan,
+        "work_ratio": float(np.median(works)) if works else np.nan,
     }
 
 
@@ -331,6 +349,7 @@ def _one(g: pd.DataFrame) -> pd.Series:
                     *ANATOMY,
                     "profiled_step_s",
                     "anatomy_closure",
+                    "work_ratio",
                     "profiler_overhead",
                     *STEP_CHECKS,
                 )

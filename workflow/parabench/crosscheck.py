@@ -5,10 +5,11 @@
   without the profiler in the same cell: the step on an infinitely fast interconnect.
   For a pipeline that step has no bubble either (its stages no longer wait for each
   other), so it is the stages' own compute. The no-communication steps run in blocks
-  between the plan's, one after each profiler session (loop.Silent), so both figures
-  are taken over the same stretches of the cell: a shared machine's drift moves
-  them alike. The profiled steps' own cost (`profiler_overhead`) is in the anatomy's
-  figure, as it is in its parts.
+  between the plan's, one after each profiler session (loop.Silent), and the check
+  pairs each session with the block right after it (`work_ratio`, the median over
+  sessions): this VM's steps can turn 40% faster between two sessions, which medians
+  over the whole cell would read as a disagreement. The profiled steps' own cost
+  (`profiler_overhead`) is in the anatomy's figure, as it is in its parts.
 - Communication: all of it (`comm_s`, hidden or not) against the collectives benchmark
   at the bytes the cell sent (`comm_curve_s`: each collective issued, timed alone).
 - Bubble (pipelines): against the schedule's, (n-1)/m of a stage's compute per step
@@ -46,7 +47,8 @@ def check(row: pd.Series, curves: pd.DataFrame) -> dict:
     """The checks of one summary row (NaN where a check does not apply)."""
     n = int(row["devices"])
     work = row["compute_s"] + row["data_s"] + row["other_s"]
-    out = {"work_check": _off(work, row["step_nocomm_s"])}
+    paired = row.get("work_ratio")
+    out = {"work_check": paired - 1 if pd.notna(paired) else _off(work, row["step_nocomm_s"])}
     comm = comm_time(row["comm_by_op"], curves, n) if n > 1 else np.nan
     out["comm_curve_s"] = comm
     out["comm_check"] = _off(row["comm_s"], comm) if comm and row["comm_s"] else np.nan
@@ -60,7 +62,8 @@ def check(row: pd.Series, curves: pd.DataFrame) -> dict:
         said.append(
             f"compute + data + other {work * 1e3:.2f} ms of the {row['profiled_step_s'] * 1e3:.2f}"
             f" ms step, but without communication the step takes "
-            f"{row['step_nocomm_s'] * 1e3:.2f} ms"
+            f"{row['step_nocomm_s'] * 1e3:.2f} ms (session by session, "
+            f"x{out['work_check'] + 1:.2f})"
         )
     if abs(out["comm_check"]) > TOLERANCE:
         said.append(

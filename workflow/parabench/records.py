@@ -266,8 +266,11 @@ SUMMARY_COLUMNS: dict[str, str] = {
     "once (no process group: the step itself): the step on an infinitely fast interconnect",
     "nocomm_run": "True where the no-communication steps ran (a process group existed)",
     "comm_tax_s": "step_time_s - step_nocomm_s: what communication costs the step",
-    "work_check": "(compute_s + data_s + other_s) / step_nocomm_s - 1: the part of the "
-    "step not spent waiting, by the anatomy against the no-communication steps",
+    "work_ratio": "per profiler session, the critical compute + data + other over the "
+    "no-communication steps run right after it (no process group: the timed run before "
+    "it); the median over sessions",
+    "work_check": "work_ratio - 1: the part of the step not spent waiting, by the anatomy "
+    "against the no-communication steps beside it",
     "comm_curve_s": "the collectives benchmark's time for the collectives issued, none hidden",
     "comm_check": "comm_s / comm_curve_s - 1",
     "schedule_bubble_s": "pipelines: (n-1)/m of the stage's compute, the schedule's bubble",
