@@ -528,6 +528,7 @@ def test_the_work_check_pairs_each_session_with_the_block_after_it():
     # against a block that is the anatomy's half, it says so
     got = aggregate._against_neighbours(spec, steps, work, anatomies, [0.04] * 3 + [0.02] * 3)
     assert got["work_ratio"] == pytest.approx(0.5)
-    # no process group: each session against the timed run before it
-    got = aggregate._against_neighbours(spec, steps, work, anatomies, None)
-    assert got["work_ratio"] == pytest.approx(1.0)
+    # no process group: each session against the timed runs on both sides of it
+    steady = steps.assign(step_time_s=0.02)
+    got = aggregate._against_neighbours(spec, steady, work, anatomies, None)
+    assert got["work_ratio"] == pytest.approx((1.0 + 0.5) / 2)

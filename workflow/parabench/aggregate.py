@@ -194,19 +194,20 @@ def _against_neighbours(
     """Each profiler session against its neighbours, not against the whole cell: a
     shared machine drifts more over a cell (this VM's steps can turn 40% faster
     between two sessions) than between neighbours. profiler_overhead: the median over
-    sessions of the session's profiled step over the timed run just before it
-    (medians, loop.sessions); anatomy_closure: the median over profiled steps of the
-    critical parts' sum over that run's timed step; work_ratio: the median over
-    sessions of the critical compute + data + other (median) over the
-    no-communication block run right after the session (loop.blocks; without one,
-    over the timed run)."""
+    sessions of the session's profiled step over the timed runs on both sides of it
+    (medians, loop.sessions: a drift one way cancels); anatomy_closure: the median over
+    profiled steps of the critical parts' sum over those runs' timed step;
+    work_ratio: the median over sessions of the critical compute + data + other
+    (median) over the no-communication block run right after the session
+    (loop.blocks; without one, over the timed runs)."""
     by_step = steps.set_index("step")["step_time_s"]
     critical = anatomy.critical_steps(anatomies, spec.record.pipelined)
     found = sessions(plan(spec.steps, spec.warmup, spec.profile_steps))
     per_block = len(nocomm) // len(found) if nocomm and found else 0
     ratios, closures, works, k = [], [], [], 0
     for i, (run, session) in enumerate(found):
-        timed = by_step.reindex(run).dropna()
+        after = found[i + 1][0] if i + 1 < len(found) else []
+        timed = by_step.reindex(run + after).dropna()
         mine, parts = profiled[k : k + len(session)], critical[k : k + len(session)]
         k += len(session)
         if timed.empty or not mine:

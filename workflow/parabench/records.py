@@ -257,18 +257,18 @@ SUMMARY_COLUMNS: dict[str, str] = {
     "data_s": "batch fetch (DataLoader mode) and host-to-device copies",
     "other_s": "the rest of the profiled step: Python between regions, launch overhead",
     "profiled_step_s": "the parts' sum: the critical profiled step",
-    "anatomy_closure": "median over profiled steps of the parts' sum / the timed run just "
-    "before its session: 1 when the parts explain the unprofiled step",
+    "anatomy_closure": "median over profiled steps of the parts' sum / the timed runs on "
+    "both sides of its session: 1 when the parts explain the unprofiled step",
     "profiled_step_time_s": "median profiled step, timed like the timed ones (max over ranks)",
     "profiler_overhead": "median over profiler sessions of their profiled step / the timed "
-    "run just before (medians): what profiling cost a step",
+    "runs on both sides (medians): what profiling cost a step",
     "step_nocomm_s": "median step of the same strategy with every collective returning at "
     "once (no process group: the step itself): the step on an infinitely fast interconnect",
     "nocomm_run": "True where the no-communication steps ran (a process group existed)",
     "comm_tax_s": "step_time_s - step_nocomm_s: what communication costs the step",
     "work_ratio": "per profiler session, the critical compute + data + other over the "
-    "no-communication steps run right after it (no process group: the timed run before "
-    "it); the median over sessions",
+    "no-communication steps run right after it (no process group: the timed runs on both "
+    "sides); the median over sessions",
     "work_check": "work_ratio - 1: the part of the step not spent waiting, by the anatomy "
     "against the no-communication steps beside it",
     "comm_curve_s": "the collectives benchmark's time for the collectives issued, none hidden",
