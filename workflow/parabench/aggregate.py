@@ -189,7 +189,7 @@ def _against_neighbours(
     steps: pd.DataFrame,
     profiled: list[float],
     anatomies: list,
-    nocomm: list[float] | None = None,
+    nocomm: list[float] | None,
 ) -> dict:
     """Each profiler session against its neighbours, not against the whole cell: a
     shared machine drifts more over a cell (this VM's steps can turn 40% faster

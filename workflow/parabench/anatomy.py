@@ -24,17 +24,17 @@ it waited for a collective or a neighbour. Waiting for a core, it took turns wit
 other threads bound there: with the k - 1 ranks that share its core (k = ranks per core,
 from the binding), which is compute's own cost on this machine, up to (k - 1) times its
 own time on the core and never more than those ranks' main threads ran on it in the
-step (`mates`, gathered from them: a pipeline stage's neighbour on its core idles in
+step (`sharing`, gathered from them: a pipeline stage's neighbour on its core idles in
 its bubble); beyond that, with communication's threads (gloo's), which is
 communication's cost. What the rank waited for communication is that, blocked plus
 contention, plus its time in the collectives' own calls (c10d's ops on the main thread:
 launching a collective, on gloo handing it to gloo's threads; in the no-communication
-step they return at once), and never more than the time communication was under way (collectives'
-spans, and torch's own ranges around them: FSDP's gathers and reductions); blocked
-beyond it, the thread waited for its own intra-op threads. Compute is the regions' time
-less that wait: work the main thread does around communication (FSDP's copies into and
-out of its buffers) is compute, as it is in the no-communication step it is checked
-against.
+step they return at once), and never more than the time communication was under way
+(collectives' spans, and torch's own ranges around them: FSDP's gathers and
+reductions); blocked beyond it, the thread waited for its own intra-op threads. Compute
+is the regions' time less that wait: work the main thread does around communication
+(FSDP's copies into and out of its buffers) is compute, as it is in the
+no-communication step it is checked against.
 
 comm is every collective's and send/recv's own time (union over threads or streams),
 hidden or not. Communication volume is counted from the c10d ops the counted step

@@ -263,9 +263,7 @@ def _timed(spec: RunSpec, ctx: runtime.Context, out: Path, t_start: float) -> di
 
     physical = strategy.devices()  # distinct devices: one for emulated stages
     peak_device = spec.peak_flops or gemm_flops_per_s(physical[0], precision=spec.precision)
-    for d in physical:
-        if d.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(d)
+    profiling.reset_high_water(physical)
     setup_s = time.perf_counter() - t_start
 
     fault = faults.for_cell(spec.model_name, spec.strategy, spec.devices, spec.repeat, ctx.rank)
@@ -278,9 +276,7 @@ def _timed(spec: RunSpec, ctx: runtime.Context, out: Path, t_start: float) -> di
         # The check's copy of the model goes: the counted step's memory is the real
         # strategy's alone, with the high-water mark from before the copy existed.
         silent.pair, earlier = None, silent.peak_before
-        for d in physical:
-            if d.type == "cuda":
-                torch.cuda.reset_peak_memory_stats(d)
+        profiling.reset_high_water(physical)
 
     held = strategy.held_bytes()  # between steps: what the rank keeps, not transients
     state = strategy.full_state()  # after every step of the plan, before the counted one

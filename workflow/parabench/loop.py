@@ -143,8 +143,7 @@ class Silent:
 def blocks(kinds: list[str]) -> list[int]:
     """The steps of a plan after which a no-communication block runs: the last of each
     profiler session, or the last step when nothing is profiled."""
-    ends = [i for i, k in enumerate(kinds) if k == PROFILED and kinds[i + 1 : i + 2] != [PROFILED]]
-    return ends or [len(kinds) - 1]
+    return [session[-1] for _, session in sessions(kinds)] or [len(kinds) - 1]
 
 
 @dataclass

@@ -171,6 +171,13 @@ def high_water(devices: list[torch.device]) -> int | None:
     return max(torch.cuda.max_memory_allocated(d) for d in cuda) if cuda else None
 
 
+def reset_high_water(devices: list[torch.device]) -> None:
+    """Start the CUDA allocator's high-water mark again from what is allocated now."""
+    for d in devices:
+        if d.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(d)
+
+
 def peak_memory(
     devices: list[torch.device],
     held: dict[str, int],

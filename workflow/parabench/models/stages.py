@@ -419,7 +419,8 @@ def place(model: Model, t: Trace, cuts: list[tuple[int, int]], devices: list[tor
     where |= dict.fromkeys((*t.suffix, *t.late), devices[-1])
     for name, device in where.items():
         sub = model.module.get_submodule(name).to(device)
-        sub.register_forward_pre_hook(functools.partial(_move, device), with_kwargs=True)
+        if device != devices[0]:  # on the first device, its inputs are there already
+            sub.register_forward_pre_hook(functools.partial(_move, device), with_kwargs=True)
     _to_except(model.module, set(where), devices[0])
 
 
