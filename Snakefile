@@ -30,6 +30,7 @@ resource_scopes:
 
 include: "workflow/rules/common.smk"
 include: "workflow/rules/benchmark.smk"
+include: "workflow/rules/ranks.smk"
 include: "workflow/rules/aggregate.smk"
 include: "workflow/rules/report.smk"
 include: "workflow/rules/plan.smk"

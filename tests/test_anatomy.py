@@ -360,57 +360,76 @@ def summary_row(strategy, devices, step, **kw) -> dict:
         "usable_cores": 16,
         "options": "",
         "ranks_per_core": 1.0,
-        "rank_steps": "",
     }
     return {**row, **kw}
 
 
-def test_the_model_predicts_ddp_from_one_device_cells_and_the_curve():
-    # single measured one rank's share at 2 devices at half its whole step
-    rank_steps = json.dumps({"1": {"step_s": 0.1}, "2": {"step_s": 0.05}})
+def alone_row(strategy, devices, compute, rank=0, **kw) -> dict:
+    """A ranks.csv row: one rank of the cell measured alone."""
+    row = {"model": "m", "precision": "fp32", "optimizer": "sgd", "compile": False}
+    row.update(strategy=strategy, devices=devices, rank=rank, status="ok", compute_s=compute)
+    return {**row, "comm_by_op": "", **kw}
+
+
+def test_the_model_predicts_each_cell_from_one_rank_alone_and_the_curve():
+    one_mb = json.dumps({"all_reduce": {"count": 1, "bytes": 1e6}})
+    four_sends = json.dumps(
+        {"send": {"count": 4, "bytes": 4e6}, "recv": {"count": 4, "bytes": 4e6}}
+    )
+    curves = pd.concat([CURVES, CURVES.assign(op="send_recv", time_s=CURVES["time_s"] * 2)])
     summary = pd.DataFrame(
         [
-            summary_row("single", 1, 0.100, compute_s=0.100, rank_steps=rank_steps),
-            summary_row("ddp", 1, 0.102, compute_s=0.102),  # DDP's own cost on one device
-            # 0.051 compute + one 1 MB all-reduce (1 ms) = 52 ms
-            summary_row(
-                "ddp",
-                2,
-                0.052,
-                compute_s=0.05,
-                comm_exposed_s=0.001,
-                comm_by_op=json.dumps({"all_reduce": {"count": 1, "bytes": 1e6}}),
-            ),
-            # a pipeline: 50 ms per stage, bubble (2-1)/4 of it
+            summary_row("single", 1, 0.100, compute_s=0.100),
+            # 51 ms compute + one 1 MB all-reduce (1 ms) = 52 ms
+            summary_row("ddp", 2, 0.052, compute_s=0.05, comm_exposed_s=0.001),
+            # a pipeline: its slowest stage, 50 ms, and a bubble of (2-1)/4 of it
             summary_row(
                 "pipeline",
                 2,
                 0.200,
-                compute_s=0.05,
+                compute_s=0.15,  # its stages computed three times slower than alone
                 bubble_s=0.0125,
                 options=json.dumps({"microbatches": 4}),
             ),
+            # one process: its stages in turn, the reference's step (no cell of its own)
+            summary_row("model_parallel", 2, 0.110, compute_s=0.1),
+            summary_row("fsdp", 2, 0.07, compute_s=0.05),  # no rank measured alone
         ]
     )
-    out = summary.join(scaling.predict(summary, CURVES, list(VARIANT)))
-    ddp = out[(out["strategy"] == "ddp") & (out["devices"] == 2)].iloc[0]
-    assert ddp["predicted_compute_s"] == pytest.approx(0.051)
-    assert ddp["predicted_step_s"] == pytest.approx(0.052)
-    assert not ddp["prediction_flag"]
-    assert np.isnan(out.loc[out["devices"] == 1, "predicted_step_s"]).all(), "in sample"
-    # no pipeline cell at one device: the reference's step stands in for its own
-    pipe = out[out["strategy"] == "pipeline"].iloc[0]
+    ranks = pd.DataFrame(
+        [
+            alone_row("ddp", 2, 0.051, comm_by_op=one_mb),
+            alone_row("ddp", 2, 0.9, precision="bf16"),  # another variant's rank
+            alone_row("ddp", 4, 0.9),  # another device count's
+            # 4 micro-batches: each stage sends 4 (forward or backward), 1 MB each
+            alone_row("pipeline", 2, 0.03, rank=0, comm_by_op=four_sends),
+            alone_row("pipeline", 2, 0.05, rank=1, comm_by_op=four_sends),
+            alone_row("fsdp", 2, 0.9, status="failed"),
+        ]
+    )
+    # the cell's own figures never reach the prediction: its counted bytes are not read
+    summary["comm_by_op"] = json.dumps({"all_reduce": {"count": 9, "bytes": 9e9}})
+    out = summary.join(scaling.predict(summary, curves, ranks, list(VARIANT)))
+    at = out.set_index("strategy")
+    assert at.loc["ddp", "predicted_compute_s"] == pytest.approx(0.051)
+    assert at.loc["ddp", "predicted_comm_s"] == pytest.approx(0.001)
+    assert at.loc["ddp", "predicted_step_s"] == pytest.approx(0.052)
+    assert not at.loc["ddp", "prediction_flag"]
+    assert np.isnan(at.loc["single", "predicted_step_s"]), "in sample"
+    assert np.isnan(at.loc["fsdp", "predicted_step_s"]), "only a failed rank: no prediction"
+    assert at.loc["model_parallel", "predicted_compute_s"] == pytest.approx(0.1)
+    pipe = at.loc["pipeline"]
     assert pipe["predicted_compute_s"] == pytest.approx(0.05)
     assert pipe["predicted_bubble_s"] == pytest.approx(0.0125)
+    # only the fill and the drain wait on a transfer: one 1 MB send per stage (2 ms each)
+    assert pipe["predicted_comm_s"] == pytest.approx(2 * 0.002)
     assert pipe["prediction_flag"], "62.5 ms predicted against 200 ms measured"
     assert pipe["prediction_miss"].startswith("compute"), pipe["prediction_miss"]
     # ranks taking turns on a core: their compute takes that much longer
     shared = summary.assign(ranks_per_core=2.0)
-    again = shared.join(
-        scaling.predict(shared, CURVES, ["model", "precision", "optimizer", "compile"])
-    )
-    assert again.loc[ddp.name, "predicted_compute_s"] == pytest.approx(0.102)
-    assert scaling.error_table(out)["cells"] == 2
+    again = shared.join(scaling.predict(shared, curves, ranks, list(VARIANT)))
+    assert again.set_index("strategy").loc["ddp", "predicted_compute_s"] == pytest.approx(0.102)
+    assert scaling.error_table(out)["cells"] == 3
 
 
 def test_the_profiled_steps_interleave_with_the_timed_ones():

@@ -94,7 +94,7 @@ def _model_bytes() -> tuple[int, list]:
 
 
 def test_fsdp_at_64_holds_a_64th_of_the_model_within_padding():
-    from parabench.plan import rank_of
+    from parabench.ranks import rank_of
 
     got = rank_of(tiny_spec("fsdp", 64, scaling="weak"), threads=1)
     assert got["status"] == "ok", got
@@ -112,7 +112,7 @@ def test_fsdp_at_64_holds_a_64th_of_the_model_within_padding():
 
 
 def test_ddp_at_64_all_reduces_its_gradients_once_per_step():
-    from parabench.plan import rank_of
+    from parabench.ranks import rank_of
 
     got = rank_of(tiny_spec("ddp", 64, scaling="weak"), threads=1)
     total, _ = _model_bytes()
@@ -125,7 +125,7 @@ def test_a_rank_planned_after_others_has_the_peak_it_has_alone():
     # One process plans every rank; the profiler's running total of CPU bytes is the
     # process's and once grew by each earlier rank's gradients (DDP at N=8, 64, 1,024
     # measured 10.0, 13.5, 16.9 MB for the same per-rank work).
-    from parabench.plan import rank_of
+    from parabench.ranks import rank_of
 
     spec = tiny_spec("ddp", 8, scaling="weak")
     alone = rank_of(spec, threads=1)["peak_memory_bytes"]
@@ -140,7 +140,6 @@ def test_parabench_plan_writes_a_plan_predicted_with_a_users_nccl_tests(tmp_path
             "enabled": True,
             "strategies": ["ddp", "zero1", "fsdp", "single"],
             "world_sizes": [8, 64],
-            "check_sizes": [2],
         }
     )
     path = tmp_path / "config.yaml"
@@ -148,7 +147,7 @@ def test_parabench_plan_writes_a_plan_predicted_with_a_users_nccl_tests(tmp_path
     out = tmp_path / "planned"
     proc = subprocess.run(
         [*PLAN, str(path), "--fabric", str(NCCL_TESTS), "--out", str(out)],
-        cwd=tmp_path,  # no results/collectives.csv there: the check rows have no curves
+        cwd=tmp_path,
         capture_output=True,
         text=True,
         timeout=600,
@@ -170,18 +169,14 @@ def test_parabench_plan_writes_a_plan_predicted_with_a_users_nccl_tests(tmp_path
     ok = plan[plan["status"] == "ok"]
     assert sorted(ok["strategy"].unique()) == ["ddp", "fsdp", "zero1"]
     assert set(ok["world_size"]) == {8, 64} and (ok["fabric"] == "nccl-tests").all()
-    # the check rows are set beside cells measured here: only this machine's curves will do
-    check = plan[plan["kind"] == "check"]
-    assert (check["status"] == "skipped").all()
-    assert check["reason"].str.contains("no collective curves|one process").all()
     assert (ok["predicted_step_s"] > ok["compute_s"]).all()
     single = plan[plan["strategy"] == "single"]
     assert (single["status"] == "skipped").all() and single["reason"].str.contains(
         "one process"
     ).all()
     # FSDP's shard shrinks with the world; DDP's replica does not
-    fsdp = ok[(ok["strategy"] == "fsdp") & (ok["kind"] == "scale")].set_index("world_size")
-    ddp = ok[(ok["strategy"] == "ddp") & (ok["kind"] == "scale")].set_index("world_size")
+    fsdp = ok[ok["strategy"] == "fsdp"].set_index("world_size")
+    ddp = ok[ok["strategy"] == "ddp"].set_index("world_size")
     assert fsdp.loc[64, "params_bytes_per_rank"] < fsdp.loc[8, "params_bytes_per_rank"]
     assert ddp.loc[64, "params_bytes_per_rank"] == ddp.loc[8, "params_bytes_per_rank"]
 
@@ -199,33 +194,3 @@ def test_a_bad_fabric_is_one_clear_error(tmp_path):
     )
     assert proc.returncode == 2
     assert "not an nccl-tests result row" in proc.stderr and "Traceback" not in proc.stderr
-
-
-def test_a_check_row_is_set_beside_its_own_variants_cell():
-    """A sweep of two precisions: the plan's check row (the first level, fp32) is
-    compared with the fp32 cell, never the bf16 one listed first."""
-    from parabench import scaling
-
-    variant = {"model": "tiny", "optimizer": "sgd", "compile": False, "strategy": "ddp"}
-    summary = pd.DataFrame(
-        [
-            {**variant, "precision": "bf16", "devices": 2, "status": "ok", "step_time_s": 0.01},
-            {**variant, "precision": "fp32", "devices": 2, "status": "ok", "step_time_s": 0.04},
-        ]
-    )
-    plan = pd.DataFrame(
-        [
-            {
-                **variant,
-                "precision": "fp32",
-                "world_size": 2,
-                "kind": "check",
-                "status": "ok",
-                "predicted_step_s": 0.05,
-            }
-        ]
-    )
-    got = scaling.against_measured(plan, summary)
-    assert len(got) == 1
-    assert got["step_time_s"].iloc[0] == 0.04
-    assert got["plan_error"].iloc[0] == pytest.approx(0.25)

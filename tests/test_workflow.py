@@ -105,6 +105,31 @@ def test_every_ok_cell_has_its_anatomy_and_a_prediction(run):
     )
 
 
+def test_the_model_reads_one_rank_of_each_multi_process_cell_alone(run):
+    ranks = pd.read_csv(run / "results/ranks.csv")
+    # rank 0 of each multi-process cell; every stage of the pipeline's; none of the
+    # one-process strategies (dp, model_parallel) nor of one-rank cells
+    got = sorted(zip(ranks["strategy"], ranks["devices"], ranks["rank"], strict=True))
+    assert got == [("ddp", 2, 0), ("grad_accum", 2, 0), ("pipeline", 2, 0), ("pipeline", 2, 1)]
+    assert (ranks["status"] == "ok").all() and (ranks["compute_s"] > 0).all()
+    assert (ranks["threads"] == 1).all()  # 2 cores, 2 ranks: what a rank of the cell gets
+    # the rank alone issues what the cell's ranks issued, counted another way (by its
+    # group, against the profiler's record of the real collectives)
+    summary = pd.read_csv(run / "results/summary.csv").set_index(["strategy", "devices"])
+    alone = ranks.set_index(["strategy", "devices", "rank"])
+    for strategy in ("ddp", "grad_accum"):
+        assert (
+            alone.loc[(strategy, 2, 0), "comm_bytes_per_step"]
+            == summary.loc[(strategy, 2), "comm_bytes_per_step"]
+        )
+    # the prediction's compute is the rank alone's (1 rank per core), the pipeline's
+    # its slowest stage
+    ddp = summary.loc[("ddp", 2)]
+    assert ddp["predicted_compute_s"] == pytest.approx(alone.loc[("ddp", 2, 0), "compute_s"])
+    slowest = ranks.loc[ranks["strategy"] == "pipeline", "compute_s"].max()
+    assert summary.loc[("pipeline", 2), "predicted_compute_s"] == pytest.approx(slowest)
+
+
 def test_collective_curves_span_4kib_to_64mib_at_every_multi_rank_count(run):
     curves = pd.read_csv(run / "results/collectives.csv")
     ar = curves[(curves["op"] == "all_reduce") & (curves["devices"] == 2)]

@@ -134,8 +134,6 @@ def _cell_row(meta_path: Path, meta: dict) -> tuple[dict, pd.DataFrame | None]:
             "threads_per_rank": meta.get("threads_per_rank", np.nan),
             "usable_cores": meta.get("env", {}).get("usable_cores", np.nan),
             "ranks_per_core": meta.get("ranks_per_core", np.nan),
-            # the reference's step on one rank's share at n devices (scaling model)
-            "rank_steps": json.dumps(meta["rank_steps"]) if meta.get("rank_steps") else "",
             "options": json.dumps(dict(spec.to_dict()["options"]), sort_keys=True),
             **_anatomy_columns(meta, spec.record.pipelined),
             "reorder_rel_diff": meta.get("reorder_rel_diff", np.nan),
@@ -364,7 +362,6 @@ def _one(g: pd.DataFrame) -> pd.Series:
             "threads_per_rank": ok["threads_per_rank"].median(),
             "usable_cores": ok["usable_cores"].median(),
             "ranks_per_core": ok["ranks_per_core"].median(),
-            "rank_steps": ok["rank_steps"].iloc[0] if len(ok) else "",
             "options": g["options"].iloc[0],
             "model_spec": g["model_spec"].iloc[0],
         }
@@ -372,8 +369,13 @@ def _one(g: pd.DataFrame) -> pd.Series:
 
 
 def summarize(
-    cells: pd.DataFrame, steps: pd.DataFrame, curves: pd.DataFrame | None = None
+    cells: pd.DataFrame,
+    steps: pd.DataFrame,
+    curves: pd.DataFrame | None = None,
+    ranks: pd.DataFrame | None = None,
 ) -> pd.DataFrame:
+    """One row per cell (repeats pooled), with its checks and the scaling model's
+    prediction (from `ranks`, the ranks measured alone)."""
     if curves is None:
         curves = pd.DataFrame(columns=list(collectives.COLUMNS))
     keys = list(SUMMARY_KEYS)
@@ -395,7 +397,7 @@ def summarize(
     summary["mfu"] = summary["achieved_flops_per_s"] / summary["peak_flops_total"]
     summary["comm_tax_s"] = summary["step_time_s"] - summary["step_nocomm_s"]
     summary = summary.join(crosscheck.checks(summary, curves))
-    summary = summary.join(scaling.predict(summary, curves, list(VARIANT_KEYS)))
+    summary = summary.join(scaling.predict(summary, curves, ranks, list(VARIANT_KEYS)))
     # Only for models that ran: one that failed may be one nobody can build (too large).
     ran = summary[summary["status"].isin(records.RAN)]
     memory = [
@@ -488,13 +490,15 @@ def aggregate(
     cells_out: Path,
     collective_metas: list[Path] = (),
     collectives_out: Path | None = None,
+    ranks_csv: Path | None = None,
 ) -> None:
     rows, _failed, windows = collectives.load(list(collective_metas))
     cells, steps = load_cells(meta_paths, windows)
     curves = pd.DataFrame(rows, columns=list(collectives.COLUMNS))
     for col in ("devices", "bytes", "time_s", "algbw_GBps", "busbw_GBps", "iters"):
         curves[col] = pd.to_numeric(curves[col])
-    summary = summarize(cells, steps, curves)
+    ranks = pd.read_csv(ranks_csv) if ranks_csv else None
+    summary = summarize(cells, steps, curves, ranks)
     cells = cells.drop(columns=["model_spec", "hosts", "timed_window"])
     outputs = [(steps, steps_out), (cells, cells_out), (summary, summary_out)]
     if collectives_out is not None:

@@ -11,10 +11,8 @@ import io
 import math
 import os
 import socket
-import statistics
 import time
 import traceback
-from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -190,42 +188,6 @@ def reorder_spread(spec: RunSpec, ctx: runtime.Context, reference: dict) -> dict
     }
 
 
-# The device counts whose rank workload the reference measures (rank_steps); 1 is the
-# reference's own workload, measured beside them.
-RANK_DEVICES = (1, 2, 4, 8)
-RANK_STEPS, RANK_WARMUP = 6, 2
-
-
-def rank_steps(spec: RunSpec, ctx: runtime.Context) -> dict[str, dict]:
-    """What one rank of a data-parallel split of this cell does at n devices, measured
-    here, on one device, alone: the reference's step on B/n samples with the threads a
-    rank at n gets (the host's cores / n, at least one), for n = 1 too. The workloads
-    take turns step by step, so a shared machine's drift hits them alike: their ratios
-    are what the scaling model uses (never the multi-device cells it predicts). Eager,
-    as the reorder replay."""
-    runs = []
-    for n in RANK_DEVICES:
-        if spec.global_batch % n:
-            continue
-        threads = max(1, ctx.host_cores // n) if ctx.device.type == "cpu" else ctx.threads
-        part = replace(spec, batch_size=spec.global_batch // n, scaling="strong")
-        model = build(part.model, part.seed)
-        strategy = strategies.get(part.strategy)(model, part, ctx)
-        runs.append((n, threads, strategy, batch_source(model, part, strategy)))
-    times: dict[int, list[float]] = {n: [] for n, *_ in runs}
-    for step in range(RANK_STEPS + RANK_WARMUP):
-        for n, threads, strategy, batches in runs:
-            torch.set_num_threads(threads)
-            took, _ = run_step(strategy, batches, step, synchronizer(strategy.devices()))
-            if step >= RANK_WARMUP:
-                times[n].append(took)
-    torch.set_num_threads(ctx.threads)
-    return {
-        str(n): {"threads": threads, "step_s": statistics.median(times[n])}
-        for n, threads, *_ in runs
-    }
-
-
 # The no-communication check: steps of the same strategy over a group whose collectives
 # return at once (nocomm.py), in blocks between the plan's (loop.Silent): this many
 # timed in all, each block's first step untimed.
@@ -336,7 +298,7 @@ def _run(spec: RunSpec, ctx: runtime.Context, out: Path, common: dict, t_start: 
         return
     reference = {}
     if spec.is_reference:
-        reference = {**reorder_spread(spec, ctx, state), "rank_steps": rank_steps(spec, ctx)}
+        reference = reorder_spread(spec, ctx, state)
 
     rows = []  # the timed steps (warm-up included), by their place in the plan
     for i, (step, phase) in enumerate(zip(measured.steps, measured.phases, strict=True)):

@@ -1,5 +1,5 @@
-"""Command line: `parabench launch | run | launch-collectives | collectives | aggregate |
-report | compare | sweep`.
+"""Command line: `parabench launch | run | launch-collectives | collectives | ranks |
+aggregate | report | compare | plan | sweep`.
 
 `launch` starts one cell however it must be started and records its outcome, whatever
 happens; `run` is what each of its processes runs. Their flags are RunSpec's fields
@@ -67,6 +67,9 @@ def _parser() -> argparse.ArgumentParser:
         "--collectives", type=Path, nargs="*", default=[], help="benchmarks' meta.json"
     )
     agg.add_argument("--collectives-out", type=Path, help="merged collective curves (CSV)")
+    agg.add_argument(
+        "--ranks", type=Path, help="ranks.csv (parabench ranks), for the scaling model"
+    )
 
     rep = sub.add_parser("report", help="render report.html from the aggregated tables")
     rep.add_argument("--results", type=Path, required=True, help="directory with summary.csv")
@@ -82,6 +85,13 @@ def _parser() -> argparse.ArgumentParser:
     cmp.add_argument("--csv", type=Path, help="the table (default: beside --out, .csv)")
     cmp.add_argument("--force", action="store_true", help="compare runs that differ")
     cmp.add_argument("--templates", type=Path, help="the report/ directory")
+
+    rks = sub.add_parser(
+        "ranks", help="one rank of each multi-process cell, alone: ranks.csv (the scaling model)"
+    )
+    rks.add_argument("config", type=Path, nargs="?", help="a workflow config file")
+    rks.add_argument("--config-json", default="", help="the workflow config, as JSON")
+    rks.add_argument("--out", type=Path, required=True, help="directory for ranks.csv")
 
     pln = sub.add_parser("plan", help="one real rank at world sizes beyond this machine: plan.csv")
     pln.add_argument("config", type=Path, nargs="?", help="a workflow config file")
@@ -160,6 +170,8 @@ def main(argv: list[str] | None = None) -> int:
         return _compare(args)
     if args.command == "plan":
         return _plan(args)
+    if args.command == "ranks":
+        return _ranks(args)
     if args.command == "sweep":
         from parabench.sweep import main as sweep
 
@@ -182,6 +194,7 @@ def main(argv: list[str] | None = None) -> int:
                 args.cells_out,
                 args.collectives,
                 args.collectives_out,
+                args.ranks,
             )
         except ResultsError as e:  # one clear line naming the file, not a traceback
             print(f"parabench aggregate: refusing to merge: {e}", file=sys.stderr)
@@ -257,21 +270,42 @@ def _compare(args: argparse.Namespace) -> int:
     return 0
 
 
-def _plan(args: argparse.Namespace) -> int:
+def _config(args: argparse.Namespace) -> dict:
+    """The config a command names: a file, or the workflow's as JSON (checked alike)."""
     import json
 
+    from parabench.config import ConfigError, checked, load_config
+
+    if args.config:
+        return load_config(args.config)
+    if args.config_json:
+        return checked(json.loads(args.config_json))
+    raise ConfigError(f"parabench {args.command} needs a config file or --config-json")
+
+
+def _ranks(args: argparse.Namespace) -> int:
+    from parabench.config import ConfigError
+
+    try:
+        config = _config(args)
+    except ConfigError as e:
+        print(f"parabench ranks: {e}", file=sys.stderr)
+        return 2
+    from parabench.ranks import run_ranks
+
+    table = run_ranks(config, args.out)
+    print(f"ranks: {args.out / 'ranks.csv'} ({len(table)} ranks)")
+    return 0
+
+
+def _plan(args: argparse.Namespace) -> int:
     import pandas as pd
 
-    from parabench.config import ConfigError, checked, load_config, plan_problems
+    from parabench.config import ConfigError, plan_problems
     from parabench.fabric import FabricError, resolve
 
     try:
-        if args.config:
-            config = load_config(args.config)
-        elif args.config_json:
-            config = checked(json.loads(args.config_json))
-        else:
-            raise ConfigError("parabench plan needs a config file or --config-json")
+        config = _config(args)
         if args.fabric:
             config["plan"]["fabric"] = args.fabric
         if found := plan_problems(config, Path.cwd()):
@@ -284,12 +318,11 @@ def _plan(args: argparse.Namespace) -> int:
                 "(run the sweep first, or name another fabric with --fabric)"
             )
         fabric = resolve(config["plan"]["fabric"], curves)
-        here = resolve("curves", curves) if curves is not None and len(curves) else None
     except (ConfigError, FabricError) as e:
         print(f"parabench plan: {e}", file=sys.stderr)
         return 2
     from parabench.plan import run_plan
 
-    run_plan(config, fabric, args.out, here)
+    run_plan(config, fabric, args.out)
     print(f"plan: {args.out / 'plan.csv'} (fabric {fabric.name})")
     return 0

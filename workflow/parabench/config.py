@@ -171,6 +171,22 @@ def cells(config: dict) -> list[Cell]:
     return out
 
 
+def alone_ranks(config: dict) -> list[tuple[RunSpec, int]]:
+    """(spec, rank) of every rank the scaling model measures alone (ranks.py): rank 0
+    of each multi-process cell that can run (repeats share it), every rank of a
+    pipeline's (its slowest stage sets the pace)."""
+    out = []
+    for cell in cells(config):
+        spec = cell.spec
+        if spec.repeat or spec.devices < 2 or spec.record.ranks(spec.devices) < 2:
+            continue
+        if checks.problems(spec, launching=False) or checks.static_skip_reason(spec):
+            continue  # the cell records why it did not run
+        stages = spec.devices if spec.record.pipelined else 1
+        out.extend((spec, r) for r in range(stages))
+    return out
+
+
 def problems(config: dict, workdir: Path | None = None) -> list[str]:
     """Rules the schema cannot express, each message naming the key. Empty = valid."""
     out: list[str] = []

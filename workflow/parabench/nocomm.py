@@ -10,8 +10,14 @@ tensor parallel's scattered shards and a pipeline stage's received activations w
 then hold garbage (NaN, denormals that slow a CPU down, losses that refuse them). Here
 this rank's values stand in for its peers': an all-gather copies its own shard into
 every slot, a reduce-scatter keeps its own chunk, a reduction keeps its own values, a
-receive keeps what its buffer held, a scatter from another rank gives zeros. The maths
-is not the strategy's; the work and the shapes are.
+receive keeps what its buffer held (by then, data a real peer sent), a scatter from
+another rank gives zeros. The maths is not the strategy's; the work and the shapes are.
+
+A rank with no peers at all (`alone`: ranks.py plays one rank of a world) has never
+received real data: its receives give ones instead, finite values of the right shape.
+That is also the answer a pipeline stage's warm-up vote expects from its neighbours
+(1: their shapes are static, as every stage parabench builds declares them), so the
+stage skips the shape exchange no peer is there to answer.
 
 c10d calls a Python group's methods directly, past the dispatcher, so the profiler sees
 none of these collectives: the group counts them itself while `counting` is on (what a
@@ -46,6 +52,7 @@ class LocalGroup(dist.ProcessGroup):
         super().__init__(rank, size)
         self._rank, self._size = rank, size
         self.tally: dict[str, dict[str, float]] | None = None  # on while `counting`
+        self.alone = False  # no peer has ever sent: receives give ones
 
     def _count(self, op: str, tensors: list[torch.Tensor]) -> None:
         if self.tally is not None:
@@ -148,6 +155,10 @@ class LocalGroup(dist.ProcessGroup):
 
     def recv(self, tensors, src, tag):
         self._count("recv", tensors)
+        if self.alone:
+            with torch.no_grad():  # a stage's input buffer requires grad
+                for t in tensors:
+                    t.fill_(1)
         return _done(tensors)
 
 

@@ -280,18 +280,17 @@ SUMMARY_COLUMNS: dict[str, str] = {
     "comm_bytes_per_step": "bytes handed to collectives and send/recv per step, busiest rank",
     "collectives_per_step": "collectives and send/recv issued per step, busiest rank",
     "comm_by_op": "per op: collectives and bytes per step (JSON), busiest rank",
-    "predicted_compute_s": "scaling model: the strategy's one-device step x the "
-    "reference's rank_steps at n / at 1, x ranks_per_core",
+    "predicted_compute_s": "scaling model: one rank of the strategy at n measured alone "
+    "(ranks.csv; a pipeline's slowest stage) x ranks_per_core; one-process strategies: "
+    "their one-device step",
     "predicted_bubble_s": "scaling model: (n-1)/m of a stage's compute (pipelines)",
-    "predicted_comm_s": "scaling model: each collective issued, timed on the curves",
+    "predicted_comm_s": "scaling model: each collective the rank alone issued, timed on the curves",
     "predicted_step_s": "scaling model: the sum of the three terms above",
     "prediction_error": "predicted_step_s / step_time_s - 1 (multi-device cells)",
     "prediction_flag": "True when the prediction is off by more than 25%",
     "prediction_miss": "where flagged: the term the model misses most, and why",
     "ranks_per_core": "ranks taking turns on each core of a rank's binding (time-slicing "
     "above 1: the cell measures a shared processor)",
-    "rank_steps": "the reference only: its step on B/n samples with a rank's threads at n "
-    "devices (n = 1, 2, 4, 8), measured alone, in turn (JSON {n: {threads, step_s}})",
     "model_params_bytes": "analytic parameter bytes per rank",
     "model_grads_bytes": "analytic gradient bytes per rank",
     "model_optimizer_bytes": "analytic optimizer-state bytes per rank",

@@ -1,25 +1,33 @@
-"""A scaling model: each multi-device cell's step predicted from one-device cells and
-the collectives curves only, then set beside the measurement, out of sample.
+"""A scaling model: each multi-device cell's step predicted from measurements on one
+device and the collectives curves only, then set beside the measurement, out of sample.
 
     predicted = compute + bubble + comm
 
-- compute: what one rank of the strategy does at n devices: the strategy's own
-  one-device step (its wrapper, hooks, micro-batches included; the reference's where
-  the sweep has no such cell), scaled by how the reference's step shrinks from the
-  whole batch with all the threads to B/n samples with a rank's threads (`rank_steps`,
-  measured back to back in the reference cell: the host's cores / n threads on CPU).
-  Naive model parallel runs its stages one after another in one process: its
-  one-device step, whatever n.
+- compute: one rank of the strategy at n, measured alone (ranks.py, ranks.csv): the
+  real strategy over a group whose collectives return at once, on the cores one of n
+  ranks gets on the host, so its compute is its own (DDP's hooks, FSDP's shard copies,
+  tensor parallel's sliced matrices, the micro-batches of a pipeline stage or of
+  gradient accumulation). For a pipeline, its slowest stage. One-process strategies
+  (naive model parallel, DataParallel) run their stages or replicas one after another
+  in one process: their one-device step, whatever n (the reference's where the sweep
+  has no such cell).
 - time-slicing: where a host's ranks outnumber its cores, k ranks take turns on each
-  core (k = ranks per core, from the binding), and a rank's compute takes k times as
-  long. Said explicitly, not fitted: the report says such cells measure a shared
-  processor.
+  core (k = ranks per core, from the cell's binding), and a rank's compute takes k
+  times as long. Said explicitly, not fitted: the report says such cells measure a
+  shared processor.
 - bubble: pipelines only, (n-1)/m of a stage's compute (GPipe and 1F1B alike: m
   micro-batches through n stages take m + n - 1 slots).
-- comm: for each collective the cell really issued (its counted bytes and calls per
-  step), the collectives benchmark's time at that size and device count. None of it is
-  assumed hidden behind compute, so a strategy that overlaps it (DDP's bucketed
-  all-reduce during backward) should come out faster than predicted.
+- comm: for each collective the rank issued alone (counted by its group: calls and
+  bytes per step), the collectives benchmark's time at that size and device count.
+  None of it is assumed hidden behind compute, so a strategy that overlaps it (DDP's
+  bucketed all-reduce during backward) should come out faster than predicted. A
+  pipeline's transfers are the schedule's own: a stage sends one micro-batch's
+  activations (forward) or gradients (backward) while it computes the next, so only
+  the fill and the drain wait on them, one transfer per boundary each way: each
+  stage's sends per micro-batch, timed on the send/recv curve.
+
+The plan (plan.py) predicts a rank at 8 to 1,024 devices the same way, so this model's
+error at the device counts measured here is the check on the plan's method.
 
 A cell whose prediction is off by more than 25% is flagged, and the term furthest from
 its measured counterpart is named: the model's miss, said rather than hidden. The
@@ -35,7 +43,6 @@ import pandas as pd
 
 from parabench.catalog import ACTIVATIONS, GRADS, OPTIMIZER, PARAMS, REFERENCE, record
 from parabench.ops import OPS
-from parabench.records import VARIANT_KEYS
 
 TOLERANCE = 0.25
 
@@ -87,38 +94,71 @@ COLUMNS = (
 )
 
 
-def rank_step(reference: pd.Series, devices: int) -> float:
-    """The reference's step on one rank's share at `devices` (its rank_steps), NaN
-    where it was not measured."""
-    found = _json(reference.get("rank_steps")).get(str(devices))
-    return float(found["step_s"]) if found else np.nan
+def stages(ranks: pd.DataFrame | None, row: pd.Series, keys: list[str]) -> pd.DataFrame:
+    """The ranks ranks.csv measured ok for a multi-device cell (a pipeline's: one per
+    stage); empty where none."""
+    if ranks is None or ranks.empty:
+        return pd.DataFrame(columns=["compute_s", "comm_by_op"])
+    mine = ranks[(ranks["status"] == "ok") & (ranks["devices"] == row["devices"])]
+    for k in (*keys, "strategy"):
+        mine = mine[mine[k] == row[k]]
+    return mine
 
 
-def predict(summary: pd.DataFrame, curves: pd.DataFrame, variant_keys: list[str]) -> pd.DataFrame:
-    """Predicted step and its terms for every ok multi-device row whose variant has an
-    ok reference and whose strategy has an ok one-device cell (or is one process)."""
+def alone(ranks: pd.DataFrame | None, row: pd.Series, keys: list[str]) -> pd.Series | None:
+    """The rank measured alone that sets a multi-device cell's pace: its rank 0, or a
+    pipeline's slowest stage; None where none was measured ok."""
+    mine = stages(ranks, row, keys)
+    return mine.loc[mine["compute_s"].idxmax()] if len(mine) else None
+
+
+def fill_and_drain(stages: pd.DataFrame, curves: pd.DataFrame, n: int, settings: dict) -> float:
+    """A pipeline's transfers on its critical path: each stage's sends of one
+    micro-batch (its sends per step / m: one per neighbour), on the send/recv curve.
+    The others overlap the next micro-batch's compute."""
+    m = settings.get("microbatches", 1)
+    total = 0.0
+    for value in stages["comm_by_op"]:
+        sent = _json(value).get("send")
+        if sent and sent["count"]:
+            per_call = sent["bytes"] / sent["count"]
+            total += sent["count"] / m * curve_time(curves, "send", n, per_call)
+    return total
+
+
+def predict(
+    summary: pd.DataFrame,
+    curves: pd.DataFrame,
+    ranks: pd.DataFrame | None,
+    variant_keys: list[str],
+) -> pd.DataFrame:
+    """Predicted step and its terms for every ok multi-device row: a multi-process
+    strategy's from its rank measured alone (ranks), a one-process strategy's from its
+    one-device cell (or the reference's, of its variant)."""
     out = pd.DataFrame(index=summary.index, columns=list(COLUMNS), dtype=object)
     ok = summary[summary["status"] == "ok"]
     refs = ok[(ok["strategy"] == REFERENCE) & (ok["devices"] == 1)].set_index(variant_keys)
     ones = ok[ok["devices"] == 1].set_index([*variant_keys, "strategy"])
     for i, row in ok[ok["devices"] > 1].iterrows():
-        variant = tuple(row[k] for k in variant_keys)
-        key = (*variant, row["strategy"])
-        if variant not in refs.index:
-            continue
-        reference = refs.loc[variant]
-        # without the strategy's own one-device cell, it is taken to do what the
-        # reference does per step (its wrapper's cost is then the model's miss)
-        own = ones.loc[key] if key in ones.index else reference
         n, rec = int(row["devices"]), record(row["strategy"])
         if rec.ranks(n) == 1:  # one process: its stages (or replicas) in turn
-            compute = own["step_time_s"]
+            variant = tuple(row[k] for k in variant_keys)
+            key = (*variant, row["strategy"])
+            if key not in ones.index and variant not in refs.index:
+                continue
+            own = ones.loc[key] if key in ones.index else refs.loc[variant]
+            compute, comm_by_op = own["step_time_s"], ""
         else:
-            # one rank's share relative to the whole, measured back to back
-            per_rank = own["step_time_s"] * rank_step(reference, n) / rank_step(reference, 1)
-            compute = per_rank * max(1.0, row["ranks_per_core"])
+            rank = alone(ranks, row, variant_keys)
+            if rank is None:
+                continue
+            compute = rank["compute_s"] * max(1.0, row["ranks_per_core"])
+            comm_by_op = rank["comm_by_op"]
         bubble = bubble_time(rec, compute, n, options(row))
-        comm = comm_time(row["comm_by_op"], curves, n)
+        if rec.pipelined:
+            comm = fill_and_drain(stages(ranks, row, variant_keys), curves, n, options(row))
+        else:
+            comm = comm_time(comm_by_op, curves, n)
         predicted = compute + bubble + comm
         error = predicted / row["step_time_s"] - 1
         miss = _miss(row, compute, bubble, comm) if abs(error) > TOLERANCE else ""
@@ -142,24 +182,6 @@ def bubble_time(rec, compute: float, n: int, settings: dict) -> float:
     if not rec.pipelined or n < 2:
         return 0.0
     return compute * (n - 1) / settings.get("microbatches", 1)
-
-
-def against_measured(plan: pd.DataFrame, summary: pd.DataFrame) -> pd.DataFrame:
-    """The plan's check rows (one planned rank at a device count this sweep measured)
-    beside the measured cell of the same variant, strategy and count: predicted,
-    measured and the error."""
-    rows = plan[(plan["kind"] == "check") & (plan["status"] == "ok")]
-    ok = summary[summary["status"] == "ok"]
-    keys = [*VARIANT_KEYS, "strategy"]
-    merged = rows.merge(
-        ok[[*keys, "devices", "step_time_s"]],
-        left_on=[*keys, "world_size"],
-        right_on=[*keys, "devices"],
-    )
-    merged["plan_error"] = merged["predicted_step_s"] / merged["step_time_s"] - 1
-    return merged[
-        ["model", "strategy", "world_size", "predicted_step_s", "step_time_s", "plan_error"]
-    ]
 
 
 def error_table(summary: pd.DataFrame) -> dict:
@@ -199,9 +221,9 @@ def _miss(row: pd.Series, compute, bubble, comm) -> str:
         )
     m, p = measured[term] * 1e3, predicted[term] * 1e3
     why = {
-        ("compute", True): "the ranks computed slower than one rank's share measured alone "
+        ("compute", True): "the ranks computed slower than one rank measured alone "
         "(cores shared with communication's threads, or with ranks not in turn)",
-        ("compute", False): "the ranks computed faster than their share measured alone "
+        ("compute", False): "the ranks computed faster than one rank measured alone "
         "(ranks sharing a core took turns less than k-fold: some waited)",
         ("communication", True): "collectives ran slower inside the step than alone "
         "(they compete with compute for the same cores or links)",

@@ -18,6 +18,7 @@ from pathlib import Path
 from parabench import records
 from parabench.config import (
     ConfigError,
+    alone_ranks,
     cells,
     collective_bytes,
     collective_devices,
@@ -91,25 +92,35 @@ def sweep(config: dict, workdir: Path, force: bool = False) -> Path:
         _logged(argv, log)
         print(f"collectives at {n} ranks: {log}", flush=True)
 
+    # Each in a process of its own, as a cell is, so this one never imports torch; a
+    # stale table never reaches the report.
+    as_json = ["--config-json", json.dumps(config), "--out", str(results)]
+    ranks = results / "ranks.csv"
+    ranks.unlink(missing_ok=True)
+    if alone_ranks(config):
+        log = results / "logs" / "ranks.log"
+        code = _logged([sys.executable, "-m", "parabench", "ranks", *as_json], log)
+        print(f"ranks: {ranks}" if code == 0 else f"ranks failed: {log}", flush=True)
+
     if config["plan"]["enabled"]:
-        # After the collectives (the fabric `curves` and the check rows read them); in a
-        # process of its own, as a cell is, so this one never imports torch.
+        # after the collectives: the fabric `curves` reads them
+        _aggregate(config, results, metas, benches, ranks)
+        (results / "plan.csv").unlink(missing_ok=True)
         curves = ["--collectives", str(results / "collectives.csv")]
-        _aggregate(config, results, metas, benches)
-        (results / "plan.csv").unlink(missing_ok=True)  # never a stale plan in the report
-        argv = [sys.executable, "-m", "parabench", "plan", "--config-json", json.dumps(config)]
         log = results / "logs" / "plan.log"
-        code = _logged([*argv, *curves, "--out", str(results)], log)
+        code = _logged([sys.executable, "-m", "parabench", "plan", *as_json, *curves], log)
         print(f"plan: {results / 'plan.csv'}" if code == 0 else f"plan failed: {log}", flush=True)
 
-    _aggregate(config, results, metas, benches)
+    _aggregate(config, results, metas, benches, ranks)
     from parabench.report import TEMPLATES, render
 
     render(results, TEMPLATES, config, results / "report.html")
     return results / "report.html"
 
 
-def _aggregate(config: dict, results: Path, metas: list[Path], benches: list[Path]) -> None:
+def _aggregate(
+    config: dict, results: Path, metas: list[Path], benches: list[Path], ranks: Path
+) -> None:
     from parabench.aggregate import aggregate
 
     aggregate(
@@ -119,6 +130,7 @@ def _aggregate(config: dict, results: Path, metas: list[Path], benches: list[Pat
         results / "cells.csv",
         benches,
         results / "collectives.csv",
+        ranks if ranks.exists() else None,
     )
 
 

@@ -7,6 +7,7 @@ rule aggregate:
         meta=[f"{cell_dir(path)}/meta.json" for path in CELLS],
         steps=[f"{cell_dir(path)}/steps.csv" for path in CELLS],
         collectives=[f"{RESULTS}/collectives/n{n}/meta.json" for n in COLLECTIVE_DEVICES],
+        ranks=f"{RESULTS}/ranks.csv" if RANKS else [],
     output:
         steps=f"{RESULTS}/steps.csv",
         collectives=report(
@@ -18,8 +19,10 @@ rule aggregate:
         f"{RESULTS}/logs/aggregate.log",
     conda:
         "../envs/parabench.yaml"
+    params:
+        ranks=lambda wc, input: f"--ranks {shlex.quote(input.ranks)}" if RANKS else "",
     shell:
         "parabench aggregate --meta {input.meta:q} --steps-out {output.steps:q} "
         "--cells-out {output.cells:q} --summary-out {output.summary:q} "
         "--collectives {input.collectives:q} --collectives-out {output.collectives:q} "
-        "> {log:q} 2>&1"
+        "{params.ranks} > {log:q} 2>&1"

@@ -9,6 +9,7 @@ from snakemake.exceptions import WorkflowError
 from parabench.catalog import OPTIMIZERS, PRECISIONS, STRATEGIES, multi_rank
 from parabench.checks import static_skip_reason
 from parabench.config import (
+    alone_ranks,
     as_integers,
     cells,
     collective_bytes,

@@ -85,13 +85,11 @@ def build_context(r: Results, config: dict) -> dict:
 
 
 def at_scale(r: Results, config: dict) -> dict | None:
-    """The plan (plan.csv): its rows, where each strategy fits, and its check rows
-    against the measured cells with their mean absolute error."""
+    """The plan (plan.csv): its rows, and where each strategy fits."""
     p = r.plan
     if p.empty or not (config.get("plan") or {}).get("enabled"):
         return None
-    scale = p[p["kind"] == "scale"]
-    ok = scale[scale["status"] == "ok"]
+    ok = p[p["status"] == "ok"]
     fit = []
     for (model, strat), g in ok.groupby(["model", "strategy"], sort=False):
         g = g.sort_values("world_size")
@@ -109,18 +107,14 @@ def at_scale(r: Results, config: dict) -> dict | None:
                 f"{name}: fits at N = {', '.join(map(str, yes))}; does not at "
                 f"N = {', '.join(map(str, no))}"
             )
-    check = scaling.against_measured(p, r.summary)
     fabric = p["fabric"].dropna()
     source = p["fabric_source"].dropna()
     return {
-        "rows": rows(scale),
+        "rows": rows(p),
         "fit_sentences": fit,
-        "scaling": ", ".join(sorted(set(scale["scaling"].dropna()))),
+        "scaling": ", ".join(sorted(set(p["scaling"].dropna()))),
         "fabric": fabric.iloc[0] if len(fabric) else "",
         "fabric_source": source.iloc[0] if len(source) else "",
-        "check": rows(check),
-        "check_sizes": sorted(set(p.loc[p["kind"] == "check", "world_size"])),
-        "check_error": float(check["plan_error"].abs().mean()) if len(check) else None,
     }
 
 

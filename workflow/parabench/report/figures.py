@@ -285,7 +285,7 @@ def collective_curves(curves: pd.DataFrame) -> str:
 def plan_plots(plan: pd.DataFrame) -> str:
     """The planned worlds: predicted step and memory per rank against N, per strategy
     (log-log); memory measured, time predicted."""
-    ok = plan[(plan["status"] == "ok") & (plan["kind"] == "scale")]
+    ok = plan[plan["status"] == "ok"]
     if ok.empty:
         return ""
     data = ok.assign(peak_MiB=ok["peak_memory_bytes"] / 2**20, step_ms=ok["predicted_step_s"] * 1e3)
