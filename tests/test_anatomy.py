@@ -10,6 +10,7 @@ scaling model on synthetic data with known answers."""
 
 from __future__ import annotations
 
+import io
 import json
 
 import numpy as np
@@ -394,6 +395,7 @@ def test_the_model_predicts_each_cell_from_one_rank_alone_and_the_curve():
             # one process: its stages in turn, the reference's step (no cell of its own)
             summary_row("model_parallel", 2, 0.110, compute_s=0.1),
             summary_row("fsdp", 2, 0.07, compute_s=0.05),  # no rank measured alone
+            summary_row("pipeline", 4, 0.1, options=json.dumps({"microbatches": 4})),
         ]
     )
     ranks = pd.DataFrame(
@@ -404,11 +406,14 @@ def test_the_model_predicts_each_cell_from_one_rank_alone_and_the_curve():
             # 4 micro-batches: each stage sends 4 (forward or backward), 1 MB each
             alone_row("pipeline", 2, 0.03, rank=0, comm_by_op=four_sends),
             alone_row("pipeline", 2, 0.05, rank=1, comm_by_op=four_sends),
-            alone_row("fsdp", 2, 0.9, status="failed"),
+            alone_row("fsdp", 2, 0.9, status="failed", reason="OOM"),
+            alone_row("pipeline", 4, 0.01, rank=0),  # stages 1 to 3 missing: no pace to read
         ]
     )
     # the cell's own figures never reach the prediction: its counted bytes are not read
     summary["comm_by_op"] = json.dumps({"all_reduce": {"count": 9, "bytes": 9e9}})
+    # read back as the aggregate reads ranks.csv (compile and "" as pandas parses them)
+    ranks = pd.read_csv(io.StringIO(ranks.to_csv(index=False)))
     out = summary.join(scaling.predict(summary, curves, ranks, list(VARIANT)))
     at = out.set_index("strategy")
     assert at.loc["ddp", "predicted_compute_s"] == pytest.approx(0.051)
@@ -417,8 +422,11 @@ def test_the_model_predicts_each_cell_from_one_rank_alone_and_the_curve():
     assert not at.loc["ddp", "prediction_flag"]
     assert np.isnan(at.loc["single", "predicted_step_s"]), "in sample"
     assert np.isnan(at.loc["fsdp", "predicted_step_s"]), "only a failed rank: no prediction"
+    assert (
+        at.loc["fsdp", "prediction_miss"] == "no prediction: its rank 0 measured alone failed: OOM"
+    )
     assert at.loc["model_parallel", "predicted_compute_s"] == pytest.approx(0.1)
-    pipe = at.loc["pipeline"]
+    pipe = out[(out["strategy"] == "pipeline") & (out["devices"] == 2)].iloc[0]
     assert pipe["predicted_compute_s"] == pytest.approx(0.05)
     assert pipe["predicted_bubble_s"] == pytest.approx(0.0125)
     # only the fill and the drain wait on a transfer: one 1 MB send per stage (2 ms each)
@@ -429,7 +437,12 @@ def test_the_model_predicts_each_cell_from_one_rank_alone_and_the_curve():
     shared = summary.assign(ranks_per_core=2.0)
     again = shared.join(scaling.predict(shared, curves, ranks, list(VARIANT)))
     assert again.set_index("strategy").loc["ddp", "predicted_compute_s"] == pytest.approx(0.102)
-    assert scaling.error_table(out)["cells"] == 3
+    errors = scaling.error_table(out)
+    assert errors["cells"] == 3
+    assert errors["unpredicted"] == [
+        "m fsdp x2: its rank 0 measured alone failed: OOM",
+        "m pipeline x4: no rank of it was measured alone (not in ranks.csv)",
+    ]
 
 
 def test_the_profiled_steps_interleave_with_the_timed_ones():

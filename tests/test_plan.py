@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -194,3 +195,26 @@ def test_a_bad_fabric_is_one_clear_error(tmp_path):
     )
     assert proc.returncode == 2
     assert "not an nccl-tests result row" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_a_crashed_ranks_process_still_leaves_a_row_per_rank(tmp_path):
+    """The ranks run in a child: it dies of SIGABRT in its first rank (ddp's), and
+    ranks.csv still says, for that rank and the one it never reached, why neither was
+    measured; the command succeeds, so the sweep goes on to its summary and report."""
+    config = tiny_config(strategies=["ddp", "grad_accum"], devices=[2])
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    env = {**os.environ, "PARABENCH_FAULT": "abort@tiny/ddp/n2/r0:rank=0:step=1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "parabench", "ranks", str(path), "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stderr
+    ranks = pd.read_csv(tmp_path / "ranks.csv").set_index("strategy")
+    assert list(ranks.index) == ["ddp", "grad_accum"]
+    assert (ranks["status"] == "failed").all()
+    assert ranks["reason"].str.contains("killed by signal SIGABRT").all()
+    assert "before it was measured" in ranks.loc["grad_accum", "reason"]

@@ -92,6 +92,7 @@ def _parser() -> argparse.ArgumentParser:
     rks.add_argument("config", type=Path, nargs="?", help="a workflow config file")
     rks.add_argument("--config-json", default="", help="the workflow config, as JSON")
     rks.add_argument("--out", type=Path, required=True, help="directory for ranks.csv")
+    rks.add_argument("--measure", action="store_true", help=argparse.SUPPRESS)  # the child
 
     pln = sub.add_parser("plan", help="one real rank at world sizes beyond this machine: plan.csv")
     pln.add_argument("config", type=Path, nargs="?", help="a workflow config file")
@@ -291,10 +292,14 @@ def _ranks(args: argparse.Namespace) -> int:
     except ConfigError as e:
         print(f"parabench ranks: {e}", file=sys.stderr)
         return 2
+    if not args.measure:  # the guard: always a row per rank, whatever the child does
+        from parabench.launch import launch_ranks
+
+        return launch_ranks(config, args.out)
+    faulthandler.enable()  # a rank killed in native code: where Python was, in the log
     from parabench.ranks import run_ranks
 
-    table = run_ranks(config, args.out)
-    print(f"ranks: {args.out / 'ranks.csv'} ({len(table)} ranks)")
+    run_ranks(config, args.out)
     return 0
 
 

@@ -171,20 +171,34 @@ def cells(config: dict) -> list[Cell]:
     return out
 
 
+def _multi_rank(config: dict) -> list[RunSpec]:
+    """The cells (repeat 0) that run as several ranks on one node and can run: the
+    ones with collective curves, and a rank of each measured alone."""
+    return [
+        s
+        for s in (cell.spec for cell in cells(config))
+        if s.repeat == 0 and s.ranks > 1 and s.nodes == 1 and not checks.static_skip_reason(s)
+    ]
+
+
 def alone_ranks(config: dict) -> list[tuple[RunSpec, int]]:
     """(spec, rank) of every rank the scaling model measures alone (ranks.py): rank 0
-    of each multi-process cell that can run (repeats share it), every rank of a
-    pipeline's (its slowest stage sets the pace)."""
+    of each multi-rank cell, every rank of a pipeline's (its slowest stage sets the
+    pace). Cells across nodes have no curves to predict with: none."""
     out = []
-    for cell in cells(config):
-        spec = cell.spec
-        if spec.repeat or spec.devices < 2 or spec.record.ranks(spec.devices) < 2:
-            continue
-        if checks.problems(spec, launching=False) or checks.static_skip_reason(spec):
+    for spec in _multi_rank(config):
+        if checks.problems(spec, launching=False):
             continue  # the cell records why it did not run
         stages = spec.devices if spec.record.pipelined else 1
         out.extend((spec, r) for r in range(stages))
     return out
+
+
+def rank_key(spec: RunSpec, rank: int) -> dict:
+    """A ranks.csv row's key: the cell's variant, strategy, devices and the rank."""
+    variant = {"model": spec.model_name, "precision": spec.precision}
+    variant.update(optimizer=spec.optimizer, compile=spec.compile)
+    return {**variant, "strategy": spec.strategy, "devices": spec.devices, "rank": rank}
 
 
 def problems(config: dict, workdir: Path | None = None) -> list[str]:
@@ -261,12 +275,7 @@ def plan_problems(config: dict, workdir: Path | None = None) -> list[str]:
 def collective_devices(config: dict) -> list[int]:
     """Device counts that get a collectives benchmark: every n > 1 at which some cell
     runs as n ranks on one node (what the scaling model needs curves for)."""
-    found = set()
-    for cell in cells(config):
-        s = cell.spec
-        if s.repeat == 0 and s.ranks > 1 and s.nodes == 1 and not checks.static_skip_reason(s):
-            found.add(s.devices)
-    return sorted(found)
+    return sorted({s.devices for s in _multi_rank(config)})
 
 
 def collective_bytes(config: dict) -> list[int]:

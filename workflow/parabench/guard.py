@@ -94,7 +94,8 @@ def _die_with_parent() -> None:
         pass
 
 
-def _describe_exit(rc: int) -> str:
+def describe_exit(rc: int) -> str:
+    """How a process ended: its exit code, or the signal that killed it."""
     if rc < 0:
         return f"killed by signal {signal.Signals(-rc).name}"
     return f"exit code {rc}"
@@ -157,7 +158,7 @@ def guard(out: Path, cmd: list[str], timeout_s: float, fields: dict, ranks: int)
     rc = proc.wait()
     sys.stdout.flush()
     elapsed = time.monotonic() - started
-    print(f"parabench guard: launch took {elapsed:.2f} s, {_describe_exit(rc)}", file=sys.stderr)
+    print(f"parabench guard: launch took {elapsed:.2f} s, {describe_exit(rc)}", file=sys.stderr)
 
     if interrupted:
         # A rank may have recorded its own end as a failure on the way out: a cell cut
@@ -192,7 +193,7 @@ def guard(out: Path, cmd: list[str], timeout_s: float, fields: dict, ranks: int)
                 records.write_meta(meta, recorded)
             return 0
     else:
-        reason = cause or f"launcher {_describe_exit(rc)} without a record"
+        reason = cause or f"launcher {describe_exit(rc)} without a record"
         if not cause and rc < 0 and (where := python_frame(tail_lines)):
             reason += f"; Python was at {where}"
         elif not cause and (err := last_error(tail_lines)):

@@ -158,3 +158,45 @@ def launch_collectives(
     argv = collectives_argv(devices, message_bytes, device, timeout_s, out, sys.executable)
     fields = {"kind": "collectives", "devices": devices}
     return guard(out, argv, cell_timeout_s, fields, ranks=devices)
+
+
+def launch_ranks(config: dict, out: Path) -> int:
+    """`parabench ranks`: measure one rank of each multi-rank cell alone (ranks.py) in
+    a child process, and make sure out/ranks.csv ends with a row for every rank. The
+    child rewrites the table after each rank; where it crashed, was killed or ran past
+    its time (cell_timeout_s for each cell's ranks), the ranks it never measured get a
+    row that says so. Returns 0: the sweep goes on to its summary and report."""
+    import json
+
+    from parabench.config import alone_ranks, rank_key
+    from parabench.guard import describe_exit
+    from parabench.records import RANK_COLUMNS, write_rows
+
+    wanted = alone_ranks(config)
+    path = out / "ranks.csv"
+    path.unlink(missing_ok=True)  # never a stale row
+    out.mkdir(parents=True, exist_ok=True)
+    cells = len({spec for spec, _ in wanted})
+    timeout = config["cell_timeout_s"] * max(1, cells)
+    argv = [sys.executable, "-m", "parabench", "ranks", "--measure"]
+    argv += ["--config-json", json.dumps(config), "--out", str(out)]
+    try:
+        code = subprocess.run(argv, timeout=timeout, check=False).returncode
+        why = None if code == 0 else f"ended ({describe_exit(code)})"
+    except subprocess.TimeoutExpired:
+        why = f"ran past its {timeout:g} s (cell_timeout_s for each cell's ranks) and was killed"
+    rows = []
+    if path.exists():
+        import csv
+
+        with open(path, newline="") as f:
+            rows = list(csv.DictReader(f))
+    done = {tuple(str(r[k]) for k in RANK_COLUMNS[:7]) for r in rows}
+    for spec, rank in wanted:
+        key = rank_key(spec, rank)
+        if tuple(str(v) for v in key.values()) not in done:
+            reason = f"the ranks process {why or 'wrote no row for it'} before it was measured"
+            rows.append({**key, "status": "failed", "reason": reason + " (logs/ranks.log)"})
+    write_rows(path, RANK_COLUMNS, rows)
+    print(f"ranks: {path} ({len(rows)} ranks; the process {why or 'finished'})", flush=True)
+    return 0

@@ -18,6 +18,8 @@ DDP buckets its gradients. For that rank:
 Its step is then predicted as the scaling model predicts a measured cell's
 (scaling.py): compute + every collective at the fabric's time (fabric.py; none assumed
 hidden) + a pipeline's bubble. Time is predicted; memory, compute and bytes are not.
+(A pipeline is planned from its first stage alone, where the scaling model reads every
+stage.)
 
 Each planned rank is given the whole device at hand (what one device of N would do).
 The method is checked where it can be: the scaling model predicts every multi-device
@@ -39,7 +41,7 @@ from parabench.config import spec_for
 from parabench.fabric import Fabric
 from parabench.ranks import measured
 from parabench.records import atomic_write_bytes
-from parabench.scaling import bubble_time
+from parabench.scaling import bubble_time, critical_comm
 from parabench.spec import RunSpec
 
 COLUMNS = (
@@ -82,9 +84,15 @@ def _fits(peak: int, memory: int | None) -> bool | None:
 def predict(row: dict, spec: RunSpec, fabric: Fabric) -> dict:
     """The planned rank's step on `fabric`, by the scaling model's terms."""
     n = spec.devices
-    compute = row["compute_s"]
-    comm = fabric.step_comm(row["comm_by_op"], n)
-    bubble = bubble_time(spec.record, compute, n, dict(spec.options))
+    compute, settings = row["compute_s"], dict(spec.options)
+    m = settings.get("microbatches", 1)
+
+    def time_of(op: str, nbytes: float) -> float:
+        return fabric.time(op, n, nbytes)
+
+    # the rank planned is rank 0: for a pipeline, its first stage's sends alone
+    comm = critical_comm([row["comm_by_op"]], time_of, spec.record.pipelined, m)
+    bubble = bubble_time(spec.record, compute, n, settings)
     step = compute + comm + bubble
     return {
         "comm_s": comm,

@@ -16,9 +16,10 @@ that rank, measured:
   the anatomy's units (nocomm.counting).
 
 `parabench ranks` measures, one after another, one rank of every multi-process cell of
-a sweep at the cores that rank gets there (every stage of a pipeline: the slowest
-sets its pace): ranks.csv, what scaling.predict reads. `parabench plan` measures ranks
-at world sizes no one here has (plan.py).
+a sweep with the cores that rank gets there (every stage of a pipeline: the slowest
+sets its pace): ranks.csv, what scaling.predict reads. It runs them in a child process
+(launch.launch_ranks), so a crash or a hang still ends in a row per rank that says
+why. `parabench plan` measures ranks at world sizes no one here has (plan.py).
 """
 
 from __future__ import annotations
@@ -29,40 +30,18 @@ import statistics
 import time
 from pathlib import Path
 
-import pandas as pd
 import torch
 import torch.distributed as dist
 
-from parabench import envinfo, nocomm, profiling, runtime, strategies
-from parabench.config import alone_ranks
+from parabench import envinfo, faults, nocomm, profiling, runtime, strategies
+from parabench.config import alone_ranks, rank_key
 from parabench.data import Shard, SyntheticBatches
 from parabench.loop import run_step, synchronizer
 from parabench.models import build
-from parabench.records import VARIANT_KEYS, atomic_write_bytes
+from parabench.records import RANK_COLUMNS, write_rows
 from parabench.spec import RunSpec
 
 STEPS, WARMUP = 6, 2  # the rank's timed steps (median) after its warm-up
-
-# ranks.csv: one row per rank measured
-COLUMNS = (
-    *VARIANT_KEYS,
-    "strategy",
-    "devices",
-    "rank",
-    "status",
-    "reason",
-    "threads",
-    "samples_per_rank",
-    "compute_s",
-    "compute_steps_s",
-    "comm_by_op",
-    "comm_bytes_per_step",
-    "collectives_per_step",
-    "params_bytes_per_rank",
-    "grads_bytes_per_rank",
-    "optimizer_bytes_per_rank",
-    "peak_memory_bytes",
-)
 
 
 def device_memory(device: torch.device) -> int | None:
@@ -100,7 +79,12 @@ def rank_of(spec: RunSpec, threads: int, rank: int = 0) -> dict:
         per_rank = spec.global_batch // strategy.shard.count
         batches = SyntheticBatches(model, per_rank, spec.seed, Shard(0, 1), strategy.data_device)
         sync = synchronizer(strategy.devices())
-        times = [run_step(strategy, batches, s, sync)[0] for s in range(STEPS + WARMUP)]
+        fault = faults.for_cell(spec.model_name, spec.strategy, world, 0, rank)
+        times = []
+        for step in range(STEPS + WARMUP):
+            if fault and step == fault.step:
+                fault.fire()
+            times.append(run_step(strategy, batches, step, sync)[0])
         held = strategy.held_bytes()
         # The group counts the collectives (c10d calls it past the profiler), so the
         # profiler records memory only: shapes cost a third of the time.
@@ -141,36 +125,30 @@ def measured(spec: RunSpec, threads: int, rank: int = 0) -> dict:
         return got
 
 
-def run_ranks(config: dict, out: Path) -> pd.DataFrame:
-    """Measure every rank of config.alone_ranks(config), each with the threads one of N ranks
-    gets on this host (at least one), and write out/ranks.csv."""
+def threads_of(spec: RunSpec, rank: int, cores: int) -> int:
+    """The intra-op threads rank `rank` of the cell runs with: its share of its host's
+    cores, as runtime.bind gives it."""
+    local = spec.devices // spec.nodes
+    return len(runtime.share(rank % local, local, list(range(cores))))
+
+
+def run_ranks(config: dict, out: Path) -> None:
+    """Measure every rank of config.alone_ranks(config), one after another, each with
+    the threads its rank of the cell gets; out/ranks.csv is rewritten after each, so a
+    crash loses none measured before it (launch.launch_ranks accounts for the rest)."""
     cores = envinfo.usable_cores()
     rows = []
     for spec, rank in alone_ranks(config):
-        # as runtime.bind shares a host's cores among its ranks
-        threads = max(1, cores // (spec.devices // spec.nodes))
+        threads = threads_of(spec, rank, cores)
         t0 = time.perf_counter()
         got = measured(spec, threads, rank)
         for key in ("comm_by_op", "compute_steps_s"):
             if key in got:
                 got[key] = json.dumps(got[key], sort_keys=True)
-        rows.append(
-            {
-                **{k: getattr(spec, k) for k in ("precision", "optimizer", "compile")},
-                "model": spec.model_name,
-                "strategy": spec.strategy,
-                "devices": spec.devices,
-                "rank": rank,
-                "threads": threads,
-                **got,
-            }
-        )
+        rows.append({**rank_key(spec, rank), "threads": threads, **got})
+        write_rows(out / "ranks.csv", RANK_COLUMNS, rows)
         print(
             f"ranks {spec.model_name} {spec.strategy} x{spec.devices} rank {rank}: "
             f"{got['status']} {got.get('reason') or ''}[{time.perf_counter() - t0:.1f} s]",
             flush=True,
         )
-    table = pd.DataFrame(rows).reindex(columns=list(COLUMNS))
-    out.mkdir(parents=True, exist_ok=True)
-    atomic_write_bytes(out / "ranks.csv", table.to_csv(index=False).encode())
-    return table

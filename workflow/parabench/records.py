@@ -56,6 +56,39 @@ STEP_COLUMNS: dict[str, str] = {
 META_KEYS = ("schema_version", "status", "reason", *CELL_KEYS)
 
 
+# ranks.csv (ranks.py): one row per rank measured alone, what the scaling model reads
+RANK_COLUMNS = (
+    *VARIANT_KEYS,
+    "strategy",
+    "devices",
+    "rank",
+    "status",
+    "reason",
+    "threads",
+    "samples_per_rank",
+    "compute_s",
+    "compute_steps_s",
+    "comm_by_op",
+    "comm_bytes_per_step",
+    "collectives_per_step",
+    "params_bytes_per_rank",
+    "grads_bytes_per_rank",
+    "optimizer_bytes_per_rank",
+    "peak_memory_bytes",
+)
+
+
+def write_rows(path: Path, columns: tuple[str, ...], rows: list[dict]) -> None:
+    """A CSV of `rows` under `columns` (missing values empty, others dropped), atomically."""
+    buf = io.StringIO()
+    writer = csv.DictWriter(
+        buf, fieldnames=list(columns), extrasaction="ignore", lineterminator="\n"
+    )
+    writer.writeheader()
+    writer.writerows(rows)
+    atomic_write_bytes(path, buf.getvalue().encode())
+
+
 def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
@@ -288,7 +321,8 @@ SUMMARY_COLUMNS: dict[str, str] = {
     "predicted_step_s": "scaling model: the sum of the three terms above",
     "prediction_error": "predicted_step_s / step_time_s - 1 (multi-device cells)",
     "prediction_flag": "True when the prediction is off by more than 25%",
-    "prediction_miss": "where flagged: the term the model misses most, and why",
+    "prediction_miss": "where flagged: the term the model misses most, and why; where "
+    "there is no prediction, why",
     "ranks_per_core": "ranks taking turns on each core of a rank's binding (time-slicing "
     "above 1: the cell measures a shared processor)",
     "model_params_bytes": "analytic parameter bytes per rank",

@@ -77,20 +77,26 @@ def resolve_device_type(requested: str) -> str:
     return requested
 
 
+def share(local_rank: int, local_world: int, cores: list[int]) -> list[int]:
+    """A rank's share of its host's cores: local_world consecutive slices of them
+    (srun --cpu-bind=cores), or, with more ranks than cores, the core its rank falls
+    on (ranks then take turns on it)."""
+    if local_world <= 1:
+        return list(cores)
+    if local_world >= len(cores):
+        return [cores[local_rank * len(cores) // local_world]]
+    lo = local_rank * len(cores) // local_world
+    hi = (local_rank + 1) * len(cores) // local_world
+    return cores[lo:hi]
+
+
 def bind(local_rank: int, local_world: int) -> tuple[int, ...]:
-    """Bind this process to its share of the host's cores: local_world consecutive
-    slices of them (srun --cpu-bind=cores), or, with more ranks than cores, the core
-    its rank falls on (ranks then take turns on it). Everything the process starts
-    afterwards (gloo's threads, intra-op threads) inherits the binding."""
+    """Bind this process to its share of the host's cores. Everything the process
+    starts afterwards (gloo's threads, intra-op threads) inherits the binding."""
     cores = sorted(os.sched_getaffinity(0))
     if local_world <= 1:
         return tuple(cores)
-    if local_world >= len(cores):
-        mine = [cores[local_rank * len(cores) // local_world]]
-    else:
-        lo = local_rank * len(cores) // local_world
-        hi = (local_rank + 1) * len(cores) // local_world
-        mine = cores[lo:hi]
+    mine = share(local_rank, local_world, cores)
     os.sched_setaffinity(0, mine)
     return tuple(mine)
 

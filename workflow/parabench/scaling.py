@@ -21,10 +21,8 @@ device and the collectives curves only, then set beside the measurement, out of 
   bytes per step), the collectives benchmark's time at that size and device count.
   None of it is assumed hidden behind compute, so a strategy that overlaps it (DDP's
   bucketed all-reduce during backward) should come out faster than predicted. A
-  pipeline's transfers are the schedule's own: a stage sends one micro-batch's
-  activations (forward) or gradients (backward) while it computes the next, so only
-  the fill and the drain wait on them, one transfer per boundary each way: each
-  stage's sends per micro-batch, timed on the send/recv curve.
+  pipeline's transfers are the schedule's own: only the fill and the drain wait on
+  them, one transfer per boundary each way (critical_comm).
 
 The plan (plan.py) predicts a rank at 8 to 1,024 devices the same way, so this model's
 error at the device counts measured here is the check on the plan's method.
@@ -37,6 +35,7 @@ report publishes the error (MAPE) per strategy, per device count and overall.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 
 import numpy as np
 import pandas as pd
@@ -94,35 +93,41 @@ COLUMNS = (
 )
 
 
-def stages(ranks: pd.DataFrame | None, row: pd.Series, keys: list[str]) -> pd.DataFrame:
-    """The ranks ranks.csv measured ok for a multi-device cell (a pipeline's: one per
-    stage); empty where none."""
+def measured_alone(
+    ranks: pd.DataFrame | None, row: pd.Series, keys: list[str]
+) -> tuple[pd.DataFrame, str]:
+    """The ranks measured alone for a multi-device cell (a pipeline's: every stage),
+    or none and why: a pipeline's pace is its slowest stage, so a stage missing leaves
+    nothing to predict from."""
     if ranks is None or ranks.empty:
-        return pd.DataFrame(columns=["compute_s", "comm_by_op"])
-    mine = ranks[(ranks["status"] == "ok") & (ranks["devices"] == row["devices"])]
+        return pd.DataFrame(), "no rank of it was measured alone (no ranks.csv: logs/ranks.log)"
+    mine = ranks[ranks["devices"] == row["devices"]]
     for k in (*keys, "strategy"):
         mine = mine[mine[k] == row[k]]
-    return mine
+    if len(bad := mine[mine["status"] != "ok"]):
+        r = bad.iloc[0]
+        return mine.iloc[:0], f"its rank {r['rank']} measured alone {r['status']}: {r['reason']}"
+    wanted = int(row["devices"]) if record(row["strategy"]).pipelined else 1
+    if len(mine) < wanted:
+        return mine.iloc[:0], "no rank of it was measured alone (not in ranks.csv)"
+    return mine, ""
 
 
-def alone(ranks: pd.DataFrame | None, row: pd.Series, keys: list[str]) -> pd.Series | None:
-    """The rank measured alone that sets a multi-device cell's pace: its rank 0, or a
-    pipeline's slowest stage; None where none was measured ok."""
-    mine = stages(ranks, row, keys)
-    return mine.loc[mine["compute_s"].idxmax()] if len(mine) else None
-
-
-def fill_and_drain(stages: pd.DataFrame, curves: pd.DataFrame, n: int, settings: dict) -> float:
-    """A pipeline's transfers on its critical path: each stage's sends of one
-    micro-batch (its sends per step / m: one per neighbour), on the send/recv curve.
-    The others overlap the next micro-batch's compute."""
-    m = settings.get("microbatches", 1)
+def critical_comm(
+    per_rank: list[dict], time: Callable[[str, float], float], pipelined: bool, m: int
+) -> float:
+    """Seconds a step waits on the collectives the ranks measured alone issued (calls
+    and bytes per op, per rank), `time(op, nbytes)` per call. All of them, none hidden;
+    but a pipeline's transfers are the schedule's own: a stage sends one micro-batch's
+    activations or gradients while it computes the next, so only the fill and the
+    drain wait on them (each stage's sends of one micro-batch: one per neighbour)."""
     total = 0.0
-    for value in stages["comm_by_op"]:
-        sent = _json(value).get("send")
-        if sent and sent["count"]:
-            per_call = sent["bytes"] / sent["count"]
-            total += sent["count"] / m * curve_time(curves, "send", n, per_call)
+    for ops in per_rank if pipelined else per_rank[:1]:
+        for op, v in ops.items():
+            if not v.get("count") or (pipelined and op != "send"):
+                continue
+            calls = v["count"] / m if pipelined else v["count"]
+            total += calls * time(op, v["bytes"] / v["count"])
     return total
 
 
@@ -133,32 +138,38 @@ def predict(
     variant_keys: list[str],
 ) -> pd.DataFrame:
     """Predicted step and its terms for every ok multi-device row: a multi-process
-    strategy's from its rank measured alone (ranks), a one-process strategy's from its
-    one-device cell (or the reference's, of its variant)."""
+    strategy's from its ranks measured alone (ranks), a one-process strategy's from
+    its one-device cell (or the reference's, of its variant). A row with nothing to
+    predict from says why in prediction_miss."""
     out = pd.DataFrame(index=summary.index, columns=list(COLUMNS), dtype=object)
     ok = summary[summary["status"] == "ok"]
     refs = ok[(ok["strategy"] == REFERENCE) & (ok["devices"] == 1)].set_index(variant_keys)
     ones = ok[ok["devices"] == 1].set_index([*variant_keys, "strategy"])
     for i, row in ok[ok["devices"] > 1].iterrows():
-        n, rec = int(row["devices"]), record(row["strategy"])
+        n, rec, settings = int(row["devices"]), record(row["strategy"]), options(row)
         if rec.ranks(n) == 1:  # one process: its stages (or replicas) in turn
             variant = tuple(row[k] for k in variant_keys)
             key = (*variant, row["strategy"])
             if key not in ones.index and variant not in refs.index:
+                out.loc[i, "prediction_miss"] = (
+                    "no prediction: no one-device cell of it or of single"
+                )
                 continue
             own = ones.loc[key] if key in ones.index else refs.loc[variant]
-            compute, comm_by_op = own["step_time_s"], ""
+            compute, comm = own["step_time_s"], 0.0
         else:
-            rank = alone(ranks, row, variant_keys)
-            if rank is None:
+            mine, why = measured_alone(ranks, row, variant_keys)
+            if why:
+                out.loc[i, "prediction_miss"] = f"no prediction: {why}"
                 continue
-            compute = rank["compute_s"] * max(1.0, row["ranks_per_core"])
-            comm_by_op = rank["comm_by_op"]
-        bubble = bubble_time(rec, compute, n, options(row))
-        if rec.pipelined:
-            comm = fill_and_drain(stages(ranks, row, variant_keys), curves, n, options(row))
-        else:
-            comm = comm_time(comm_by_op, curves, n)
+            compute = mine["compute_s"].max() * max(1.0, row["ranks_per_core"])
+            comm = critical_comm(
+                [_json(v) for v in mine["comm_by_op"]],
+                lambda op, nbytes, n=n: curve_time(curves, op, n, nbytes),
+                rec.pipelined,
+                settings.get("microbatches", 1),
+            )
+        bubble = bubble_time(rec, compute, n, settings)
         predicted = compute + bubble + comm
         error = predicted / row["step_time_s"] - 1
         miss = _miss(row, compute, bubble, comm) if abs(error) > TOLERANCE else ""
@@ -186,14 +197,29 @@ def bubble_time(rec, compute: float, n: int, settings: dict) -> float:
 
 def error_table(summary: pd.DataFrame) -> dict:
     """The model's mean absolute percentage error over the predicted multi-device
-    cells: overall, per strategy and per device count (each with its cell count)."""
+    cells: overall, per strategy and per device count (each with its cell count); and
+    the ok multi-device cells it could not predict, each with why (never left out
+    silently: the error is over the others)."""
     p = summary[summary["prediction_error"].notna()]
+    ok = summary[(summary["status"] == "ok") & (summary["devices"] > 1)]
+    unpredicted = [
+        f"{r['model']} {r['strategy']} x{r['devices']}: "
+        + str(r["prediction_miss"]).removeprefix("no prediction: ")
+        for _, r in ok[ok["prediction_error"].isna()].iterrows()
+    ]
     if p.empty:
-        return {"overall": None, "cells": 0, "by_strategy": {}, "by_devices": {}}
+        return {
+            "overall": None,
+            "cells": 0,
+            "by_strategy": {},
+            "by_devices": {},
+            "unpredicted": unpredicted,
+        }
     err = p["prediction_error"].abs()
     return {
         "overall": float(err.mean()),
         "cells": len(p),
+        "unpredicted": unpredicted,
         "by_strategy": {k: float(v) for k, v in err.groupby(p["strategy"]).mean().items()},
         "by_devices": {int(k): float(v) for k, v in err.groupby(p["devices"]).mean().items()},
     }

@@ -3,7 +3,8 @@
 # one); none when no cell runs several ranks.
 import json
 
-RANKS = bool(alone_ranks(config))
+RANK_CELLS = len({spec for spec, _ in alone_ranks(config)})
+RANKS = RANK_CELLS > 0
 
 
 rule ranks:
@@ -15,7 +16,7 @@ rule ranks:
         "../envs/parabench.yaml"
     resources:
         gpu=0 if config["device"] == "cpu" else 1,
-        runtime=lambda wc: int(config["cell_timeout_s"] // 60) + 5,
+        runtime=lambda wc: int(config["cell_timeout_s"] * RANK_CELLS // 60) + 5,
         timed_cells=1,
         slurm_extra=slurm_extra,
     params:
