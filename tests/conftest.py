@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -88,7 +89,16 @@ def run_cell(
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
     meta_path = out / "meta.json"
-    assert meta_path.exists(), f"no record written; rc={proc.returncode}\n{proc.stderr[-3000:]}"
+    if not meta_path.exists():
+        # A rank that died in native code says why where it died, often far above the
+        # agent's report at the end: its fatal lines and faulthandler's stack first.
+        fatal = re.compile(r"Fatal Python error|terminate called|what\(\):|File \"|Abort")
+        first = [ln for ln in proc.stderr.splitlines() if fatal.search(ln)][:40]
+        raise AssertionError(
+            f"no record written; rc={proc.returncode}\n"
+            + "\n".join(first)
+            + f"\n...\n{proc.stderr[-3000:]}"
+        )
     return json.loads(meta_path.read_text()), proc
 
 
