@@ -213,9 +213,9 @@ def _against_neighbours(
         base = float(timed.median())
         ratios.append(float(np.median(mine)) / base)
         closures += [p["step_s"] / base for p in parts]
-        check = nocomm[i * per_block : (i + 1) * per_block] if per_block else [base]
         if parts:
-            work = np.median([p["compute_s"] + p["data_s"] + p["other_s"] for p in parts])
+            check = nocomm[i * per_block : (i + 1) * per_block] if per_block else [base]
+            work = np.median([anatomy.work(p) for p in parts])
             works.append(float(work) / float(np.median(check)))
     return {
         "profiler_overhead": float(np.median(ratios)) if ratios else np.nan,

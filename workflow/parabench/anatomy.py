@@ -55,15 +55,13 @@ COMPUTE_REGIONS = ("forward", "backward", "optimizer", "schedule")
 
 # Communication's own spans, on the thread or stream that ran it: gloo's and NCCL's
 # work, functional collectives, NCCL kernels.
-_COMM = re.compile(
-    r"^(gloo:|nccl:|c10d::|_c10d_functional::|c10d_functional::|record_param_comms|"
-    r"ncclDevKernel|ncclKernel)"
-)
+_C10D = r"c10d::|_c10d_functional::|c10d_functional::"
+_COMM = re.compile(rf"^(gloo:|nccl:|{_C10D}|record_param_comms|ncclDevKernel|ncclKernel)")
 # torch's own ranges around communication on the main thread (FSDP's all-gathers, their
 # waits and its reduce-scatters): communication is under way while they last.
 _COMM_RANGE = re.compile(r"^(FSDP::all_gather \(|FSDP::post_backward_reduce|FSDP::.*wait)")
 # The collectives' own calls on the main thread (not their waits): launching them.
-_LAUNCH = re.compile(r"^(c10d::|_c10d_functional::|c10d_functional::)(?!.*wait)")
+_LAUNCH = re.compile(rf"^({_C10D})(?!.*wait)")
 _RECV = re.compile(r"^(ncclDevKernel_SendRecv|ncclKernel_SendRecv)")
 _H2D = re.compile(r"Memcpy HtoD|memcpy.*HtoD", re.I)
 _ELEMENT = {"float": 4, "c10::BFloat16": 2, "c10::Half": 2, "double": 8, "long int": 8, "int": 4}
@@ -202,7 +200,7 @@ def _on_cpu(
     """One step on the main thread (see the module's docstring); region figures are
     seconds, the trace's µs."""
     lo, hi = window
-    step = next((r for r in reversed(regions) if r["name"] == "step"), None)
+    step = _step_region(regions)
     if step is None:  # a step recorded without its figures: wall only
         return _parts(hi - lo, data_s=length(clip(data, lo, hi)), comm_s=length(clip(comm, lo, hi)))
     work = [r for r in regions if r["name"] in COMPUTE_REGIONS]
@@ -235,9 +233,20 @@ def _on_cpu(
     )
 
 
+def _step_region(regions: list[dict]) -> dict | None:
+    """A profiled step's own region (the whole step), the last recorded."""
+    return next((r for r in reversed(regions) if r["name"] == "step"), None)
+
+
 def on_core(regions: list[list[dict]]) -> list[float]:
     """Per profiled step, the seconds the main thread ran on a core in its step."""
-    return [next((r["cpu_s"] for r in reversed(s) if r["name"] == "step"), 0.0) for s in regions]
+    steps = [_step_region(s) for s in regions]
+    return [step["cpu_s"] if step else 0.0 for step in steps]
+
+
+def work(parts) -> float:
+    """What a step's anatomy says was not waiting: compute + data + other."""
+    return parts["compute_s"] + parts["data_s"] + parts["other_s"]
 
 
 def sharing(me: int, cores: list[list], ran: list[list[float]]) -> tuple[int, list[float]]:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import io
 import math
 import os
-import socket
 import time
 import traceback
 from pathlib import Path
@@ -215,7 +214,7 @@ def _without_comm(
     return check
 
 
-def _timed(spec: RunSpec, ctx: runtime.Context, out: Path, t_start: float) -> dict:
+def _timed(spec: RunSpec, ctx: runtime.Context, out: Path, t_start: float, host: str) -> dict:
     """The plan's steps (warm-up, timed, profiled) with the no-communication blocks
     between them, then the counted step: this rank's figures, and the cell's parameters
     after every step of the plan."""
@@ -248,7 +247,6 @@ def _timed(spec: RunSpec, ctx: runtime.Context, out: Path, t_start: float) -> di
     # profiled step; without a binding, the host's average and no bound
     k, mates = ctx.ranks_per_core, None
     if ctx.cores:
-        host = socket.gethostname()
         ran = all_ranks(([(host, c) for c in ctx.cores], anatomy.on_core(profiler.regions)), ctx)
         k, mates = anatomy.sharing(ctx.rank, [c for c, _ in ran], [r for _, r in ran])
     return {
@@ -278,7 +276,7 @@ def _timed(spec: RunSpec, ctx: runtime.Context, out: Path, t_start: float) -> di
 
 
 def _run(spec: RunSpec, ctx: runtime.Context, out: Path, common: dict, t_start: float) -> None:
-    timed = _timed(spec, ctx, out, t_start)
+    timed = _timed(spec, ctx, out, t_start, common["env"]["host"])
     measured = timed["measured"]
     per_rank = all_ranks(
         {

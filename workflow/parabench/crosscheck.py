@@ -24,8 +24,9 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
+from parabench import anatomy
 from parabench.catalog import record
-from parabench.scaling import comm_time, options
+from parabench.scaling import bubble_time, comm_time, options
 
 TOLERANCE = 0.20
 COLUMNS = (
@@ -46,15 +47,16 @@ def _off(measured: float, check: float) -> float:
 def check(row: pd.Series, curves: pd.DataFrame) -> dict:
     """The checks of one summary row (NaN where a check does not apply)."""
     n = int(row["devices"])
-    work = row["compute_s"] + row["data_s"] + row["other_s"]
+    work = anatomy.work(row)
     paired = row.get("work_ratio")
     out = {"work_check": paired - 1 if pd.notna(paired) else _off(work, row["step_nocomm_s"])}
     comm = comm_time(row["comm_by_op"], curves, n) if n > 1 else np.nan
     out["comm_curve_s"] = comm
     out["comm_check"] = _off(row["comm_s"], comm) if comm and row["comm_s"] else np.nan
-    bubble = np.nan
-    if record(row["strategy"]).pipelined and n > 1:
-        bubble = row["compute_s"] * (n - 1) / options(row).get("microbatches", 1)
+    rec = record(row["strategy"])
+    bubble = (
+        bubble_time(rec, row["compute_s"], n, options(row)) if rec.pipelined and n > 1 else np.nan
+    )
     out["schedule_bubble_s"] = bubble
     out["bubble_check"] = _off(row["bubble_s"], bubble)
     said = []

@@ -96,14 +96,6 @@ class Fabric:
         below = [c for c in counts if c <= n]
         return self.tables[(curve, below[-1] if below else counts[0])].time(op, n, nbytes)
 
-    def step_comm(self, comm_by_op: dict[str, dict[str, float]], n: int) -> float:
-        """Seconds per step of the collectives a rank issued (count and bytes per op)."""
-        return sum(
-            v["count"] * self.time(op, n, v["bytes"] / v["count"])
-            for op, v in comm_by_op.items()
-            if v.get("count")
-        )
-
 
 def from_curves(curves: pd.DataFrame, label: str = "this machine") -> Fabric:
     """The collectives benchmark's curves (collectives.csv's columns)."""

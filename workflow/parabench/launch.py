@@ -170,7 +170,7 @@ def launch_ranks(config: dict, out: Path) -> int:
 
     from parabench.config import alone_ranks, rank_key
     from parabench.guard import describe_exit
-    from parabench.records import RANK_COLUMNS, write_rows
+    from parabench.records import RANK_COLUMNS, RANK_KEY, write_rows
 
     wanted = alone_ranks(config)
     path = out / "ranks.csv"
@@ -191,10 +191,10 @@ def launch_ranks(config: dict, out: Path) -> int:
 
         with open(path, newline="") as f:
             rows = list(csv.DictReader(f))
-    done = {tuple(str(r[k]) for k in RANK_COLUMNS[:7]) for r in rows}
+    done = {tuple(str(r[k]) for k in RANK_KEY) for r in rows}
     for spec, rank in wanted:
         key = rank_key(spec, rank)
-        if tuple(str(v) for v in key.values()) not in done:
+        if tuple(str(key[k]) for k in RANK_KEY) not in done:
             reason = f"the ranks process {why or 'wrote no row for it'} before it was measured"
             rows.append({**key, "status": "failed", "reason": reason + " (logs/ranks.log)"})
     write_rows(path, RANK_COLUMNS, rows)

@@ -23,6 +23,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from parabench.fabric import Fabric, level
+from parabench.scaling import critical_comm
 
 TORCHTITAN = {
     "source": "torchtitan docs/performance.md, Tables 1 and 3 (Llama 3.1 8B, FSDP, H100)",
@@ -44,9 +45,18 @@ def fsdp_comm(params: float, calls: int, param_bytes: int, grad_bytes: int) -> d
     }
 
 
+def _comm(fabric: Fabric, comm: dict, n: int) -> float:
+    """Seconds per step of `comm` (calls and bytes per op) on `fabric` at n ranks."""
+
+    def time_of(op: str, nbytes: float) -> float:
+        return fabric.time(op, n, nbytes)
+
+    return critical_comm([comm], time_of, pipelined=False, m=1)
+
+
 def _retention(fabric: Fabric, comm: dict, step_lo: float, lo: int, hi: int) -> tuple:
     """(step at hi, comm at lo, comm at hi): the compute of the step at lo GPUs kept."""
-    comm_lo, comm_hi = fabric.step_comm(comm, lo), fabric.step_comm(comm, hi)
+    comm_lo, comm_hi = _comm(fabric, comm, lo), _comm(fabric, comm, hi)
     return step_lo - comm_lo + comm_hi, comm_lo, comm_hi
 
 

@@ -57,11 +57,9 @@ META_KEYS = ("schema_version", "status", "reason", *CELL_KEYS)
 
 
 # ranks.csv (ranks.py): one row per rank measured alone, what the scaling model reads
+RANK_KEY = (*VARIANT_KEYS, "strategy", "devices", "rank")
 RANK_COLUMNS = (
-    *VARIANT_KEYS,
-    "strategy",
-    "devices",
-    "rank",
+    *RANK_KEY,
     "status",
     "reason",
     "threads",

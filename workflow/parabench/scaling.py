@@ -40,6 +40,7 @@ from collections.abc import Callable
 import numpy as np
 import pandas as pd
 
+from parabench import anatomy
 from parabench.catalog import ACTIVATIONS, GRADS, OPTIMIZER, PARAMS, REFERENCE, record
 from parabench.ops import OPS
 
@@ -74,12 +75,12 @@ def curve_time(curves: pd.DataFrame, op: str, devices: int, nbytes: float) -> fl
 
 
 def comm_time(comm_by_op: str, curves: pd.DataFrame, devices: int) -> float:
-    ops = _json(comm_by_op)
-    total = 0.0
-    for op, v in ops.items():
-        if v["count"]:
-            total += v["count"] * curve_time(curves, op, devices, v["bytes"] / v["count"])
-    return total
+    """Seconds of every collective of `comm_by_op` (JSON) on the curves at `devices`."""
+
+    def time_of(op: str, nbytes: float) -> float:
+        return curve_time(curves, op, devices, nbytes)
+
+    return critical_comm([_json(comm_by_op)], time_of, pipelined=False, m=1)
 
 
 COLUMNS = (
@@ -228,7 +229,7 @@ def error_table(summary: pd.DataFrame) -> dict:
 def _miss(row: pd.Series, compute, bubble, comm) -> str:
     """The term furthest from its measured counterpart, in words."""
     measured = {
-        "compute": row["compute_s"] + row["data_s"] + row["other_s"],
+        "compute": anatomy.work(row),
         "communication": row["comm_exposed_s"],
         "bubble": row["bubble_s"],
     }
