@@ -18,7 +18,7 @@ import pandas as pd
 import pytest
 
 from conftest import SGD_LR, TINY_MLP, run_cell, tiny_spec
-from parabench import aggregate, anatomy, scaling
+from parabench import aggregate, anatomy, marks, scaling
 from parabench.models import build
 from parabench.ops import bus_factor
 from parabench.records import VARIANT_KEYS as VARIANT
@@ -174,6 +174,43 @@ def test_a_collectives_own_call_on_the_main_thread_is_communication():
     assert a["compute_s"] == pytest.approx(62e-6)
     assert a["comm_exposed_s"] == pytest.approx(28e-6)
     assert sum(a[k] for k in anatomy.PARTS) == pytest.approx(a["step_s"])
+
+
+def test_a_marked_launch_is_communication_by_its_time_on_the_core():
+    """The same step, FSDP's reduce-scatter called from backward inside a `launch`
+    region: 12 µs, 8 of them on the core (gloo's copies before its threads take over)
+    and 4 blocked. Its on-core time joins the wait and its blocked time is counted
+    once: compute 90 - 20 blocked - 8 = 62. The region is within backward, not beside
+    it: its wall is not compute's twice."""
+    events = [
+        ev(anatomy.STEP_MARK, 0, 100, cat="user_annotation"),
+        ev("gloo:all_reduce", 60, 30, tid=2, cat="user_annotation"),
+    ]
+    regions = [
+        [
+            region("forward", 40, 40),
+            region("launch", 12, 8),
+            region("backward", 50, 30),
+            region("step", 100, 90),
+        ]
+    ]
+    (a,) = anatomy.anatomy(events, regions)
+    assert a["compute_s"] == pytest.approx(62e-6)
+    assert a["comm_exposed_s"] == pytest.approx(28e-6)
+    assert sum(a[k] for k in anatomy.PARTS) == pytest.approx(a["step_s"])
+
+
+@pytest.mark.slow
+def test_fsdp_marks_each_collective_call_as_a_launch(cells):
+    """Every all-gather and reduce-scatter FSDP issues in a profiled step is called
+    inside a launch region, on every rank: one per collective the counted step saw."""
+    meta = shared(cells, "fsdp", 2, reshard_after_forward=True)
+    for rank, steps in enumerate(meta["regions_per_rank"]):
+        issued = sum(v["count"] for v in comm(meta, rank).values())
+        for regions in steps:
+            launches = [r for r in regions if r["name"] == marks.LAUNCH]
+            assert len(launches) == issued, (rank, len(launches), comm(meta, rank))
+            assert all(r["cpu_s"] > 0 for r in launches), launches
 
 
 def test_blocked_without_communication_is_computing():
@@ -564,3 +601,7 @@ def test_the_work_check_pairs_each_session_with_the_block_after_it():
     steady = steps.assign(step_time_s=0.02)
     got = aggregate._against_neighbours(spec, steady, work, anatomies, None)
     assert got["work_ratio"] == pytest.approx((1.0 + 0.5) / 2)
+
+
+def test_the_anatomy_reads_the_regions_marks_writes():
+    assert anatomy.COMPUTE_REGIONS == marks.COMPUTE and anatomy.LAUNCH_REGION == marks.LAUNCH

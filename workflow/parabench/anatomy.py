@@ -27,14 +27,16 @@ own time on the core and never more than those ranks' main threads ran on it in 
 step (`sharing`, gathered from them: a pipeline stage's neighbour on its core idles in
 its bubble); beyond that, with communication's threads (gloo's), which is
 communication's cost. What the rank waited for communication is that, blocked plus
-contention, plus its time in the collectives' own calls (c10d's ops on the main thread:
-launching a collective, on gloo handing it to gloo's threads; in the no-communication
-step they return at once), and never more than the time communication was under way
-(collectives' spans, and torch's own ranges around them: FSDP's gathers and
-reductions); blocked beyond it, the thread waited for its own intra-op threads. Compute
-is the regions' time less that wait: work the main thread does around communication
-(FSDP's copies into and out of its buffers) is compute, as it is in the
-no-communication step it is checked against.
+contention, plus its time on its core in the collectives' own calls (launching a
+collective; on gloo, the copies and bookkeeping before gloo's threads take over; in the
+no-communication step they return at once): the `launch` regions a strategy marks
+around them (FSDP's), or, in a trace of every op, c10d's ops on the main thread. A
+collective called where no mark reaches it (DDP's reducer, in C++) is compute's. Never
+more than the time communication was under way (collectives' spans, and torch's own
+ranges around them: FSDP's gathers and reductions); blocked beyond it, the thread
+waited for its own intra-op threads. Compute is the regions' time less that wait: work
+the main thread does around communication (FSDP's copies into and out of its buffers)
+is compute, as it is in the no-communication step it is checked against.
 
 comm is every collective's and send/recv's own time (union over threads or streams),
 hidden or not. Communication volume is counted from the c10d ops the counted step
@@ -51,7 +53,8 @@ from parabench.ops import BY_C10D
 
 STEP_MARK = "parabench.step"
 DATA_MARK = "parabench.data"
-COMPUTE_REGIONS = ("forward", "backward", "optimizer", "schedule")
+COMPUTE_REGIONS = ("forward", "backward", "optimizer", "schedule")  # marks.COMPUTE
+LAUNCH_REGION = "launch"  # marks.LAUNCH: a collective's call, within those
 
 # Communication's own spans, on the thread or stream that ran it: gloo's and NCCL's
 # work, functional collectives, NCCL kernels.
@@ -216,9 +219,12 @@ def _on_cpu(
     # a neighbour's send): blocked beyond that, it waited for its own intra-op threads,
     # which is part of computing.
     during = length(clip(union(comm + ranges), lo, hi)) / 1e6
-    # In the collectives' own calls it communicated, on its core or not (what it was
-    # blocked or kept from its core there is counted twice: microseconds a call).
-    calls = length(clip(launch, lo, hi)) / 1e6
+    # In the collectives' own calls it communicated: their marked regions' time on its
+    # core (blocked or kept from it there is already counted), or without them the c10d
+    # ops' spans a full trace has (what it was blocked there is then counted twice:
+    # microseconds a call).
+    marked = [r["cpu_s"] for r in regions if r["name"] == LAUNCH_REGION]
+    calls = sum(marked) if marked else length(clip(launch, lo, hi)) / 1e6
     waited = min(wall, blocked + contention + calls, during)
     wait = (waited + min(outside, during - waited)) * 1e6
     compute = (wall - waited) * 1e6

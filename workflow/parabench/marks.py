@@ -28,6 +28,10 @@ STEP, DATA, FORWARD, BACKWARD, OPTIMIZER = "step", "data", "forward", "backward"
 # a pipeline's schedule runs its micro-batches' forwards and backwards).
 SCHEDULE = "schedule"
 COMPUTE = (FORWARD, BACKWARD, OPTIMIZER, SCHEDULE)
+# A collective's own call on the main thread, inside those regions: launching it (on
+# gloo, the work the call does before gloo's threads take over). Communication's time,
+# not compute's; a strategy marks it where torch lets it reach the call (FSDP's comms).
+LAUNCH = "launch"
 PREFIX = "parabench."
 _SCHEDSTAT = Path("/proc/thread-self/schedstat")
 

@@ -7,6 +7,10 @@ parameters are all-gathered; after its backward, gradients are reduce-scattered 
 averaged), so the optimizer steps on the local shard only. reshard_after_forward=True
 frees the gathered parameters after forward and gathers them again in backward (ZeRO-3);
 False keeps them from forward to backward (ZeRO-2-like: less communication, more memory).
+
+Each all-gather and reduce-scatter is called inside a `launch` region (marks.py): on
+gloo the call itself copies and queues on the main thread for a millisecond or more a
+step, which is communication's cost, absent from the no-communication step.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.fsdp import fully_shard
 
+from parabench import marks
 from parabench.data import Shard
 from parabench.models.base import Model
 from parabench.runtime import Context
@@ -32,6 +37,7 @@ class FullyShard(Strategy):
         for block in model.blocks():  # one all-gather / reduce-scatter unit per block
             fully_shard(block, mesh=mesh, reshard_after_forward=reshard)
         fully_shard(module, mesh=mesh, reshard_after_forward=reshard)  # what is left
+        _mark_launches(module)
         self.module = module
         self.opt = make_optimizer(module.parameters(), spec)
 
@@ -46,3 +52,31 @@ class FullyShard(Strategy):
 
     def full_state(self) -> dict[str, torch.Tensor] | None:
         return full_params(self.module, self.ctx)
+
+
+def _mark_launches(module: torch.nn.Module) -> None:
+    """Every FSDP unit's collectives called inside a LAUNCH region, through FSDP's own
+    hooks for custom comms (the default ones, wrapped). Where this torch has no such
+    hooks, the calls stay unmarked and count as compute."""
+    try:
+        from torch.distributed.fsdp._fully_shard._fsdp_collectives import (
+            DefaultAllGather,
+            DefaultReduceScatter,
+        )
+    except ImportError:
+        return
+
+    class AllGather(DefaultAllGather):
+        def __call__(self, *args, **kwargs):
+            with marks.region(marks.LAUNCH):
+                return super().__call__(*args, **kwargs)
+
+    class ReduceScatter(DefaultReduceScatter):
+        def __call__(self, *args, **kwargs):
+            with marks.region(marks.LAUNCH):
+                return super().__call__(*args, **kwargs)
+
+    for unit in module.modules():
+        if hasattr(unit, "set_custom_all_gather") and hasattr(unit, "set_custom_reduce_scatter"):
+            unit.set_custom_all_gather(AllGather())
+            unit.set_custom_reduce_scatter(ReduceScatter())
