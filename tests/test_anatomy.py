@@ -177,26 +177,30 @@ def test_a_collectives_own_call_on_the_main_thread_is_communication():
 
 
 def test_a_marked_launch_is_communication_by_its_time_on_the_core():
-    """The same step, FSDP's reduce-scatter called from backward inside a `launch`
+    """A 100 µs step, FSDP's reduce-scatter called from backward inside a `launch`
     region: 12 µs, 8 of them on the core (gloo's copies before its threads take over)
-    and 4 blocked. Its on-core time joins the wait and its blocked time is counted
-    once: compute 90 - 20 blocked - 8 = 62. The region is within backward, not beside
-    it: its wall is not compute's twice."""
+    and 4 blocked; backward 50, 30 on the core; 10 more blocked between the regions,
+    while gloo ran (50-100). The call's on-core time joins the wait, and its blocked
+    time is counted once, as backward's (the region is within backward, not beside
+    it): compute 90 - 20 blocked - 8 = 62, waiting 28 + the 10 between regions. A c10d
+    span a full trace has inside the marked call is not counted again."""
     events = [
         ev(anatomy.STEP_MARK, 0, 100, cat="user_annotation"),
-        ev("gloo:all_reduce", 60, 30, tid=2, cat="user_annotation"),
+        ev(anatomy.LAUNCH_MARK, 60, 12, cat="user_annotation"),
+        ev("c10d::reduce_scatter_", 61, 10),
+        ev("gloo:all_reduce", 50, 50, tid=2, cat="user_annotation"),
     ]
     regions = [
         [
             region("forward", 40, 40),
             region("launch", 12, 8),
             region("backward", 50, 30),
-            region("step", 100, 90),
+            region("step", 100, 70),
         ]
     ]
     (a,) = anatomy.anatomy(events, regions)
     assert a["compute_s"] == pytest.approx(62e-6)
-    assert a["comm_exposed_s"] == pytest.approx(28e-6)
+    assert a["comm_exposed_s"] == pytest.approx(38e-6)
     assert sum(a[k] for k in anatomy.PARTS) == pytest.approx(a["step_s"])
 
 

@@ -55,6 +55,7 @@ STEP_MARK = "parabench.step"
 DATA_MARK = "parabench.data"
 COMPUTE_REGIONS = ("forward", "backward", "optimizer", "schedule")  # marks.COMPUTE
 LAUNCH_REGION = "launch"  # marks.LAUNCH: a collective's call, within those
+LAUNCH_MARK = "parabench.launch"
 
 # Communication's own spans, on the thread or stream that ran it: gloo's and NCCL's
 # work, functional collectives, NCCL kernels.
@@ -153,7 +154,10 @@ def anatomy(
         return [_on_gpu(device, comm, data, pipelined, w) for w in windows]
     mine = [e for e in spans if e.get("tid") == main]
     ranges = union(_span(e) for e in mine if _COMM_RANGE.match(e["name"]))
-    launch = union(_span(e) for e in mine if _LAUNCH.match(e["name"]))
+    # c10d's calls a full trace records, less those inside a marked launch (counted by
+    # the region's own figures)
+    marked = union(_span(e) for e in mine if e["name"] == LAUNCH_MARK)
+    launch = subtract(union(_span(e) for e in mine if _LAUNCH.match(e["name"])), marked)
     mates = mates if mates is not None else [float("inf")] * len(regions)
     return [
         _on_cpu(step_regions, comm, data, ranges, launch, pipelined, ranks_per_core, mate, w)
@@ -213,18 +217,20 @@ def _on_cpu(
     blocked = sum(_blocked(r) for r in work)
     turns = min((ranks_per_core - 1) * on_core, mates)  # the ranks sharing its cores
     contention = max(0.0, runq - turns)  # communication's threads
-    # blocked outside the regions (between them) is waiting too
-    outside = max(0.0, _blocked(step) - sum(_blocked(r) for r in regions if r is not step))
+    # blocked outside the regions (between them) is waiting too; launches are within
+    # them, already counted
+    outer = [r for r in regions if r is not step and r["name"] != LAUNCH_REGION]
+    outside = max(0.0, _blocked(step) - sum(_blocked(r) for r in outer))
     # Only while communication was under way can the thread have waited for it (or for
     # a neighbour's send): blocked beyond that, it waited for its own intra-op threads,
     # which is part of computing.
     during = length(clip(union(comm + ranges), lo, hi)) / 1e6
-    # In the collectives' own calls it communicated: their marked regions' time on its
-    # core (blocked or kept from it there is already counted), or without them the c10d
-    # ops' spans a full trace has (what it was blocked there is then counted twice:
-    # microseconds a call).
-    marked = [r["cpu_s"] for r in regions if r["name"] == LAUNCH_REGION]
-    calls = sum(marked) if marked else length(clip(launch, lo, hi)) / 1e6
+    # In the collectives' own calls it communicated: the marked ones' time on its core
+    # (blocked or kept from it there is already counted), and any other c10d call a
+    # full trace has (what it was blocked there is then counted twice: microseconds a
+    # call).
+    marked = sum(r["cpu_s"] for r in regions if r["name"] == LAUNCH_REGION)
+    calls = marked + length(clip(launch, lo, hi)) / 1e6
     waited = min(wall, blocked + contention + calls, during)
     wait = (waited + min(outside, during - waited)) * 1e6
     compute = (wall - waited) * 1e6

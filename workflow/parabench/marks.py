@@ -1,4 +1,5 @@
-"""The regions of a step that the anatomy reads: forward, backward, optimizer, data.
+"""The regions of a step that the anatomy reads: forward, backward, optimizer, data,
+and within them a collective's own call (launch).
 
 Strategies mark them (`with region(FORWARD): ...`); outside a profiled step a mark
 costs one check of a global. Inside one (`recording()`), each region is a
@@ -53,6 +54,7 @@ class Region:
 
 
 _recording: list[Region] | None = None  # the regions of the profiled step under way
+_recorder: int | None = None  # the thread recording them: schedstat is per thread
 
 
 _files: dict[int, int] = {}  # thread id -> its open schedstat file (read in place)
@@ -82,8 +84,10 @@ def schedstat() -> tuple[float, float]:
 
 @contextlib.contextmanager
 def region(name: str) -> Iterator[None]:
-    """Mark a region of the step (free unless a profiled step is recording)."""
-    if _recording is None:
+    """Mark a region of the step (free unless a profiled step is recording). Only the
+    recording thread's count: a hook on another thread (CUDA's autograd runs backward
+    on a device thread) would add that thread's figures to the main thread's."""
+    if _recording is None or threading.get_ident() != _recorder:
         yield
         return
     regions = _recording
@@ -101,9 +105,10 @@ def region(name: str) -> Iterator[None]:
 @contextlib.contextmanager
 def recording() -> Iterator[list[Region]]:
     """Record the regions of one step, in the order they end (inner before outer)."""
-    global _recording
-    _recording = found = []
+    global _recording, _recorder
+    _recording, _recorder = [], threading.get_ident()
+    found = _recording
     try:
         yield found
     finally:
-        _recording = None
+        _recording = _recorder = None
