@@ -28,9 +28,10 @@ step (`sharing`, gathered from them: a pipeline stage's neighbour on its core id
 its bubble); beyond that, with communication's threads (gloo's), which is
 communication's cost. What the rank waited for communication is that, blocked plus
 contention, plus its time on its core in the collectives' own calls (launching a
-collective; on gloo, the copies and bookkeeping before gloo's threads take over; in the
-no-communication step they return at once): the `launch` regions a strategy marks
-around them (FSDP's), or, in a trace of every op, c10d's ops on the main thread. A
+collective; on gloo, the copies and bookkeeping before gloo's threads take over; the
+no-communication group's calls copy into their outputs too, time its step keeps): the
+`launch` regions a strategy marks around them (FSDP's), or, in a trace of every op,
+c10d's ops on the main thread. A
 collective called where no mark reaches it (DDP's reducer, in C++) is compute's. Never
 more than the time communication was under way (collectives' spans, and torch's own
 ranges around them: FSDP's gathers and reductions); blocked beyond it, the thread
