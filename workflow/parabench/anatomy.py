@@ -31,13 +31,13 @@ contention, plus its time on its core in the collectives' own calls (launching a
 collective; on gloo, the copies and bookkeeping before gloo's threads take over; the
 no-communication group's calls copy into their outputs too, time its step keeps): the
 `launch` regions a strategy marks around them (FSDP's), or, in a trace of every op,
-c10d's ops on the main thread. A
-collective called where no mark reaches it (DDP's reducer, in C++) is compute's. Never
-more than the time communication was under way (collectives' spans, and torch's own
-ranges around them: FSDP's gathers and reductions); blocked beyond it, the thread
-waited for its own intra-op threads. Compute is the regions' time less that wait: work
-the main thread does around communication (FSDP's copies into and out of its buffers)
-is compute, as it is in the no-communication step it is checked against.
+c10d's ops on the main thread. A collective called where no mark reaches it (DDP's
+reducer, in C++) is compute's. Never more than the time communication was under way
+(collectives' spans, and torch's own ranges around them: FSDP's gathers and
+reductions); blocked beyond it, the thread waited for its own intra-op threads. Compute
+is the regions' time less that wait: work the main thread does around communication
+(FSDP's copies into and out of its buffers) is compute, as it is in the
+no-communication step it is checked against.
 
 comm is every collective's and send/recv's own time (union over threads or streams),
 hidden or not. Communication volume is counted from the c10d ops the counted step

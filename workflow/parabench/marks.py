@@ -106,8 +106,8 @@ def region(name: str) -> Iterator[None]:
 def recording() -> Iterator[list[Region]]:
     """Record the regions of one step, in the order they end (inner before outer)."""
     global _recording, _recorder
-    _recording, _recorder = [], threading.get_ident()
-    found = _recording
+    found: list[Region] = []
+    _recording, _recorder = found, threading.get_ident()
     try:
         yield found
     finally:

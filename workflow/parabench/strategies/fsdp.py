@@ -68,17 +68,19 @@ def _mark_launches(module: torch.nn.Module) -> None:
     except ImportError:
         return
 
-    class AllGather(DefaultAllGather):
-        def __call__(self, *args, **kwargs):
-            with marks.region(marks.LAUNCH):
-                return super().__call__(*args, **kwargs)
-
-    class ReduceScatter(DefaultReduceScatter):
-        def __call__(self, *args, **kwargs):
-            with marks.region(marks.LAUNCH):
-                return super().__call__(*args, **kwargs)
-
+    all_gather, reduce_scatter = _marked(DefaultAllGather), _marked(DefaultReduceScatter)
     for unit in module.modules():
         if hasattr(unit, "set_custom_all_gather") and hasattr(unit, "set_custom_reduce_scatter"):
-            unit.set_custom_all_gather(AllGather())
-            unit.set_custom_reduce_scatter(ReduceScatter())
+            unit.set_custom_all_gather(all_gather())
+            unit.set_custom_reduce_scatter(reduce_scatter())
+
+
+def _marked(comm: type) -> type:
+    """`comm` (one of FSDP's collectives) with each call inside a LAUNCH region."""
+
+    class Marked(comm):
+        def __call__(self, *args, **kwargs):
+            with marks.region(marks.LAUNCH):
+                return super().__call__(*args, **kwargs)
+
+    return Marked
