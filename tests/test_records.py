@@ -100,16 +100,23 @@ def test_atomic_write_leaves_no_temp_and_keeps_old_file_on_failure(tmp_path):
     assert oct(path.stat().st_mode & 0o777) != oct(0o600), "shareable, not mkstemp's 0600"
 
 
-def _torchrun_report(rank: int, exitcode: int) -> list[str]:
-    """The agent's failure report, in the layout torchrun prints it."""
+def _failure(rank: int, exitcode: int) -> list[str]:
     return [
-        "Root Cause (first observed failure):",
-        "[0]:",
         "  time      : 2026-11-23_10:00:00",
         "  host      : node1",
         f"  rank      : {rank} (local_rank: {rank})",
         f"  exitcode  : {exitcode} (pid: 4242)",
+        "  error_file: <N/A>",
     ]
+
+
+def _torchrun_report(rank: int, exitcode: int, *others: tuple[int, int]) -> list[str]:
+    """The agent's failure report, in the layout torchrun prints it: the other
+    failures, then the one it names the root cause."""
+    lines = ["Failures:"]
+    for i, (other, code) in enumerate(others, 1):
+        lines += [f"[{i}]:", *_failure(other, code), "-" * 20]
+    return [*lines, "Root Cause (first observed failure):", "[0]:", *_failure(rank, exitcode)]
 
 
 def _error(rank: int, kind: str, message: str) -> dict:
@@ -141,10 +148,32 @@ def _error(rank: int, kind: str, message: str) -> dict:
             "torchrun: rank 1 failed first (killed by signal SIGABRT) without a Python "
             "exception; then rank 0: RuntimeError: Connection closed by peer",
         ),
+        # Both failed within the agent's one-second resolution and it named the rank
+        # whose exception says a peer went away: the one killed by SIGABRT was first.
+        (
+            _torchrun_report(0, 1, (1, -6)),
+            [_error(0, "RuntimeError", "Read error: Connection reset by peer")],
+            "torchrun: rank 1 failed first (killed by signal SIGABRT) without a Python "
+            "exception; then rank 0: RuntimeError: Read error: Connection reset by peer",
+        ),
+        # A rank the agent stopped with SIGTERM is not a cause, whatever the others saw.
+        (
+            _torchrun_report(0, 1, (1, -15)),
+            [_error(0, "RuntimeError", "Connection closed by peer")],
+            "rank 0: RuntimeError: Connection closed by peer",
+        ),
         # No report (the agent itself was killed): the earliest exception.
         ([], [_error(1, "OutOfMemoryError", "injected")], "rank 1: OutOfMemoryError: injected"),
     ],
-    ids=["nothing", "exit-no-exception", "earliest-exception", "signal-then-symptom", "no-report"],
+    ids=[
+        "nothing",
+        "exit-no-exception",
+        "earliest-exception",
+        "signal-then-symptom",
+        "symptom-named-first",
+        "stopped-by-agent",
+        "no-report",
+    ],
 )
 def test_root_cause_names_the_first_failure(report, errors, expected):
     from parabench import guard

@@ -44,6 +44,9 @@ def last_error(lines: list[str]) -> str:
 
 
 _ROOT = re.compile(r"Root Cause.*?rank\s*:\s*(\d+).*?exitcode\s*:\s*(-?\d+)", re.S)
+_FAILURE = re.compile(r"^\s*rank\s*:\s*(\d+).*?^\s*exitcode\s*:\s*(-?\d+)", re.S | re.M)
+# What a rank's collective raises when a peer process went away: a symptom.
+_LOST_PEER = re.compile(r"(closed|reset) by peer|Broken pipe|remote process exited", re.I)
 
 
 _FRAME = re.compile(r'File "(.+?)", line (\d+) in (\S+)')
@@ -63,15 +66,24 @@ def root_cause(lines: list[str], errors: list[dict], world: int | None) -> str:
     """The failure's root cause, in one line: the first failing rank's exception type
     and message (from its error-rank<R>.json), or, for a rank that died without one,
     how it died (torchrun's verdict: which rank failed first, exit code or signal)."""
-    m = _ROOT.search("\n".join(lines))
-    first = int(m.group(1)) if m else None
+    text = "\n".join(lines)
+    m = _ROOT.search(text)
+    first, code = (int(m.group(1)), int(m.group(2))) if m else (None, 0)
+    raised = {e.get("rank") for e in errors}
+    # torchrun orders failures by whole seconds, so within one second its "first" is a
+    # guess. A rank killed by a signal it was not sent to stop (torchrun stops the rest
+    # with SIGTERM) beside an exception saying a peer went away was the cause.
+    if errors and _LOST_PEER.search(str(errors[0].get("message", ""))):
+        for rank, exit_code in ((int(r), int(c)) for r, c in _FAILURE.findall(text)):
+            if exit_code < 0 and -exit_code != signal.SIGTERM and rank not in raised:
+                first, code = rank, exit_code
+                break
     # The agent names the first failure it noticed; when that rank left an error, the
     # ranks' own clocks say better which exception came first (errors: earliest first).
-    if errors and (first is None or any(e.get("rank") == first for e in errors)):
+    if errors and (first is None or first in raised):
         return records.describe_error(errors[0], world)
     if first is None:
         return ""
-    code = int(m.group(2))
     how = f"killed by signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
     cause = f"torchrun: rank {first} failed first ({how}) without a Python exception"
     if code < 0 and (where := python_frame(lines)):
