@@ -209,6 +209,7 @@ def test_fsdp_marks_each_collective_call_as_a_launch(cells):
     """Every all-gather and reduce-scatter FSDP issues in a profiled step is called
     inside a launch region, on every rank: one per collective the counted step saw."""
     meta = shared(cells, "fsdp", 2, reshard_after_forward=True)
+    assert meta["on_core_clock"] == [marks.on_core_clock()] * 2  # what cpu_s came from
     for rank, steps in enumerate(meta["regions_per_rank"]):
         issued = sum(v["count"] for v in comm(meta, rank).values())
         for regions in steps:

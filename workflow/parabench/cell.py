@@ -17,7 +17,17 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from parabench import anatomy, envinfo, equivalence, faults, profiling, records, runtime, strategies
+from parabench import (
+    anatomy,
+    envinfo,
+    equivalence,
+    faults,
+    marks,
+    profiling,
+    records,
+    runtime,
+    strategies,
+)
 from parabench.data import LoaderBatches, SyntheticBatches
 from parabench.loop import Silent, all_ranks, blocks, measure, plan, run_step, synchronizer
 from parabench.models import build
@@ -288,6 +298,7 @@ def _run(spec: RunSpec, ctx: runtime.Context, out: Path, common: dict, t_start: 
             "untimed_losses": measured.untimed_losses,
             "host": common["env"]["host"],
             "cores": list(ctx.cores),
+            "clock": marks.on_core_clock(),
         },
         ctx,
     )
@@ -339,6 +350,8 @@ def _run(spec: RunSpec, ctx: runtime.Context, out: Path, common: dict, t_start: 
             ),
             "cpu_binding": [r["cores"] for r in per_rank],
             "ranks_per_core": ctx.ranks_per_core,
+            # what the regions' cpu_s was read from, per rank (marks.on_core_clock)
+            "on_core_clock": [r["clock"] for r in per_rank],
             "peak_memory_bytes": max(r["peak_memory"] for r in per_rank),
             "peak_memory_per_rank": [r["peak_memory"] for r in per_rank],
             "held_bytes_per_rank": [r["held_bytes"] for r in per_rank],
