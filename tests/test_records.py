@@ -153,8 +153,17 @@ def _error(rank: int, kind: str, message: str) -> dict:
         (
             _torchrun_report(0, 1, (1, -6)),
             [_error(0, "RuntimeError", "Read error: Connection reset by peer")],
+            "torchrun named rank 0, whose peer went away; rank 1 failed first (killed by "
+            "signal SIGABRT) without a Python exception; then rank 0: RuntimeError: Read "
+            "error: Connection reset by peer",
+        ),
+        # torchrun named a rank killed by a signal: its verdict stands, whatever else
+        # it lists.
+        (
+            _torchrun_report(1, -6, (2, -9)),
+            [_error(0, "RuntimeError", "Connection reset by peer")],
             "torchrun: rank 1 failed first (killed by signal SIGABRT) without a Python "
-            "exception; then rank 0: RuntimeError: Read error: Connection reset by peer",
+            "exception; then rank 0: RuntimeError: Connection reset by peer",
         ),
         # A rank the agent stopped with SIGTERM is not a cause, whatever the others saw.
         (
@@ -171,6 +180,7 @@ def _error(rank: int, kind: str, message: str) -> dict:
         "earliest-exception",
         "signal-then-symptom",
         "symptom-named-first",
+        "signal-named-first",
         "stopped-by-agent",
         "no-report",
     ],

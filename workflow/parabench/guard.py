@@ -44,7 +44,8 @@ def last_error(lines: list[str]) -> str:
 
 
 _ROOT = re.compile(r"Root Cause.*?rank\s*:\s*(\d+).*?exitcode\s*:\s*(-?\d+)", re.S)
-_FAILURE = re.compile(r"^\s*rank\s*:\s*(\d+).*?^\s*exitcode\s*:\s*(-?\d+)", re.S | re.M)
+# One failure of torchrun's report: its rank line, its exit code on the next.
+_FAILURE = re.compile(r"^\s*rank\s*:\s*(\d+)[^\n]*\n\s*exitcode\s*:\s*(-?\d+)", re.M)
 # What a rank's collective raises when a peer process went away: a symptom.
 _LOST_PEER = re.compile(r"(closed|reset) by peer|Broken pipe|remote process exited", re.I)
 
@@ -70,12 +71,16 @@ def root_cause(lines: list[str], errors: list[dict], world: int | None) -> str:
     m = _ROOT.search(text)
     first, code = (int(m.group(1)), int(m.group(2))) if m else (None, 0)
     raised = {e.get("rank") for e in errors}
-    # torchrun orders failures by whole seconds, so within one second its "first" is a
-    # guess. A rank killed by a signal it was not sent to stop (torchrun stops the rest
-    # with SIGTERM) beside an exception saying a peer went away was the cause.
-    if errors and _LOST_PEER.search(str(errors[0].get("message", ""))):
+    named = "torchrun: "
+    # torchrun dates each failure it lists to the whole second: within one second its
+    # "first" is a guess (it lists several where ranks are subprocesses, or agents of
+    # a multi-node job; forked ranks' agent lists the one it noticed). When it names a
+    # rank whose exception says a peer went away and lists one killed by a signal it
+    # was not sent (the agent stops the rest with SIGTERM), that one was the cause.
+    if first in raised and _LOST_PEER.search(str(errors[0].get("message", ""))):
         for rank, exit_code in ((int(r), int(c)) for r, c in _FAILURE.findall(text)):
             if exit_code < 0 and -exit_code != signal.SIGTERM and rank not in raised:
+                named = f"torchrun named rank {first}, whose peer went away; "
                 first, code = rank, exit_code
                 break
     # The agent names the first failure it noticed; when that rank left an error, the
@@ -84,8 +89,7 @@ def root_cause(lines: list[str], errors: list[dict], world: int | None) -> str:
         return records.describe_error(errors[0], world)
     if first is None:
         return ""
-    how = f"killed by signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
-    cause = f"torchrun: rank {first} failed first ({how}) without a Python exception"
+    cause = f"{named}rank {first} failed first ({describe_exit(code)}) without a Python exception"
     if code < 0 and (where := python_frame(lines)):
         cause += f"; Python was at {where}"
     if line := last_error([ln for ln in lines if ln.startswith(f"[rank{first}]:")]):
@@ -109,7 +113,10 @@ def _die_with_parent() -> None:
 def describe_exit(rc: int) -> str:
     """How a process ended: its exit code, or the signal that killed it."""
     if rc < 0:
-        return f"killed by signal {signal.Signals(-rc).name}"
+        try:
+            return f"killed by signal {signal.Signals(-rc).name}"
+        except ValueError:  # a real-time signal has no name
+            return f"killed by signal {-rc}"
     return f"exit code {rc}"
 
 

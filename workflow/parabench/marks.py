@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import dataclasses
+import errno
 import os
 import platform
 import struct
@@ -55,93 +56,83 @@ class Region:
         return dataclasses.asdict(self)
 
 
-_recording: list[Region] | None = None  # the regions of the profiled step under way
-_recorder: int | None = None  # the thread recording them: schedstat is per thread
-
-
-_files: dict[int, int] = {}  # thread id -> its open schedstat file (read in place)
-# thread id -> its perf task clock and that clock's offset (None: refused)
-_clocks: dict[int, tuple[int, float] | None] = {}
-
-
-def _run_delay() -> float:
-    """This thread's seconds runnable but waiting for a core (schedstat's run delay,
-    Linux; 0 elsewhere). The file stays open and is read again from its start:
-    a third of the cost of opening it each time."""
-    tid = threading.get_ident()
-    fd = _files.get(tid)
-    try:
-        if fd is None:
-            fd = _files[tid] = os.open(_SCHEDSTAT, os.O_RDONLY)
-        return int(os.pread(fd, 128, 0).split()[1]) / 1e9
-    except (OSError, ValueError, IndexError):
-        return 0.0
-
-
 _PERF_EVENT_OPEN = {"x86_64": 298, "aarch64": 241}  # the syscall's number, by machine
+_REFUSED = (errno.EPERM, errno.EACCES, errno.ENOSYS, errno.ENOENT, errno.EOPNOTSUPP)
 
 
-def _task_clock() -> int | None:
+def task_clock() -> int:
     """A perf event counting the calling thread's nanoseconds on a core
-    (PERF_COUNT_SW_TASK_CLOCK), or None where the kernel or a seccomp filter refuses
-    it (perf_event_paranoid above 2, containers' default profiles) or off Linux.
-    Counting user and kernel time like the thread's CPU clock; `exclude_kernel` only
-    lets perf_event_paranoid 2 allow it."""
+    (PERF_COUNT_SW_TASK_CLOCK; user and kernel time, like the thread's CPU clock:
+    `exclude_kernel` only lets perf_event_paranoid 2 allow it). OSError where the
+    kernel or a seccomp filter refuses it (its errno in _REFUSED: perf_event_paranoid
+    above 2, containers' default profiles; ENOSYS off Linux)."""
     number = _PERF_EVENT_OPEN.get(platform.machine())
     if number is None or not _SCHEDSTAT.parent.exists():
-        return None
+        raise OSError(errno.ENOSYS, f"no perf_event_open on {platform.system()}")
     # perf_event_attr, its first (64-byte) version: type PERF_TYPE_SOFTWARE, size,
     # config, sample_period, sample_type, read_format, flags (exclude_kernel,
     # exclude_hv), wakeup_events, bp_type, bp_addr
     attr = struct.pack("IIQQQQQIIQ", 1, 64, 1, 0, 0, 0, 1 << 5 | 1 << 6, 0, 0, 0)
-    try:
-        fd = ctypes.CDLL(None, use_errno=True).syscall(
-            number,
-            ctypes.create_string_buffer(attr, len(attr)),
-            0,
-            -1,
-            -1,
-            8,  # CLOEXEC
-        )
-    except (OSError, AttributeError):
-        return None
-    return fd if fd >= 0 else None
+    buf = ctypes.create_string_buffer(attr, len(attr))
+    fd = ctypes.CDLL(None, use_errno=True).syscall(number, buf, 0, -1, -1, 8)  # CLOEXEC
+    if fd < 0:
+        code = ctypes.get_errno()
+        raise OSError(code, f"perf_event_open: {os.strerror(code)}")
+    return fd
 
 
-def _on_core() -> float:
-    """This thread's seconds on a core since it started, read without touching the
+class _Counters:
+    """The recording thread's counters, open while a step records (opened and closed
+    outside the timed step; a timed step runs with none).
+
+    Time on a core comes from perf's task clock, read without touching the
     scheduler. The thread's CPU clock (time.thread_time) brings the kernel's
     accounting up to date (update_curr), and that ends the thread's time slice when
     one is due: read just before a collective's call, it hands the core to another
-    thread there. On a gpt FSDP rank sharing its core with gloo's threads that made
-    a profiled step 5-9 ms (10-20%) slower. perf's task clock keeps its own count:
-    one read of 8 bytes. Where perf is refused, the CPU clock, and the measured
-    profiler_overhead shows what it costs."""
-    tid = threading.get_ident()
-    if tid not in _clocks:
-        fd = _task_clock()
-        # counted from the thread's start like its CPU clock, so the two agree
-        _clocks[tid] = None if fd is None else (fd, time.thread_time() - _read(fd))
-    clock = _clocks[tid]
-    return time.thread_time() if clock is None else _read(clock[0]) + clock[1]
+    thread there. On a gpt FSDP rank sharing its core with gloo's threads, that made
+    profiled steps 5-19% slower. Where perf is refused, the CPU clock, and the
+    measured profiler_overhead shows what it costs. Waiting for a core comes from
+    schedstat's run delay, complete while the thread runs (its run time lags by up to
+    a scheduler tick, so it is not used)."""
 
+    def __init__(self) -> None:
+        try:
+            self.clock: int | None = task_clock()
+        except OSError:
+            self.clock = None
+        try:
+            self.sched: int | None = os.open(_SCHEDSTAT, os.O_RDONLY)
+        except OSError:  # not Linux: no run delay
+            self.sched = None
+        # counted from the thread's start, as its CPU clock: where both were read, they agree
+        self.offset = 0.0 if self.clock is None else time.thread_time() - self._task_s()
 
-def _read(fd: int) -> float:
-    return struct.unpack("Q", os.read(fd, 8))[0] / 1e9
+    def _task_s(self) -> float:
+        return struct.unpack("Q", os.read(self.clock, 8))[0] / 1e9
+
+    def read(self) -> tuple[float, float]:
+        """Seconds on a core and waiting for one, since the thread started."""
+        on_core = time.thread_time() if self.clock is None else self._task_s() + self.offset
+        if self.sched is None:
+            return on_core, 0.0
+        return on_core, int(os.pread(self.sched, 128, 0).split()[1]) / 1e9
+
+    def close(self) -> None:
+        for fd in (self.clock, self.sched):
+            if fd is not None:
+                os.close(fd)
 
 
 def on_core_clock() -> str:
-    """Which clock `cpu_s` is read from on this thread (recorded with a cell)."""
-    _on_core()
-    return "thread CPU clock" if _clocks[threading.get_ident()] is None else "perf task clock"
+    """Which clock the regions' `cpu_s` is read from here (recorded with a cell)."""
+    counters = _Counters()
+    counters.close()
+    return "thread CPU clock" if counters.clock is None else "perf task clock"
 
 
-def schedstat() -> tuple[float, float]:
-    """This thread's seconds on a core and waiting for one, since it started. The
-    first from perf's task clock (or the thread's CPU clock; both exact); the second
-    from schedstat's run delay, complete while the thread runs. schedstat's own run
-    time lags by up to a scheduler tick, so it is not used."""
-    return _on_core(), _run_delay()
+_recording: list[Region] | None = None  # the regions of the profiled step under way
+_recorder: int | None = None  # the thread recording them: the counters are its own
+_counters: _Counters | None = None
 
 
 @contextlib.contextmanager
@@ -152,26 +143,27 @@ def region(name: str) -> Iterator[None]:
     if _recording is None or threading.get_ident() != _recorder:
         yield
         return
-    regions = _recording
+    regions, counters = _recording, _counters
     with record_function(PREFIX + name):
-        cpu0, runq0 = schedstat()
+        cpu0, runq0 = counters.read()
         t0 = time.perf_counter()
         try:
             yield
         finally:
             wall = time.perf_counter() - t0
-            cpu1, runq1 = schedstat()
+            cpu1, runq1 = counters.read()
             regions.append(Region(name, wall, cpu1 - cpu0, runq1 - runq0))
 
 
 @contextlib.contextmanager
 def recording() -> Iterator[list[Region]]:
     """Record the regions of one step, in the order they end (inner before outer)."""
-    global _recording, _recorder
-    _on_core()  # the thread's clock opened here, before the step is timed
+    global _recording, _recorder, _counters
     found: list[Region] = []
+    _counters = _Counters()
     _recording, _recorder = found, threading.get_ident()
     try:
         yield found
     finally:
-        _recording = _recorder = None
+        _counters.close()
+        _recording = _recorder = _counters = None
