@@ -19,7 +19,8 @@ no compute kernel ran, bubble (pipelines) a receive no compute overlapped.
 
 On CPU it is the main thread, whose work the regions (marks.py) bracket: forward,
 backward, optimizer (a pipeline's schedule). Within them, by the kernel's accounting
-(schedstat), the thread ran on a core, waited for a core (runq), or was blocked. Blocked,
+(perf's task clock, schedstat's run delay), the thread ran on a core, waited for a core
+(runq), or was blocked. Blocked,
 it waited for a collective or a neighbour. Waiting for a core, it took turns with the
 other threads bound there: with the k - 1 ranks that share its core (k = ranks per core,
 from the binding), which is compute's own cost on this machine, up to (k - 1) times its
