@@ -4,6 +4,7 @@ blocked time; nothing from another thread."""
 
 from __future__ import annotations
 
+import errno
 import os
 import sys
 import threading
@@ -76,3 +77,17 @@ def test_regions_on_another_thread_are_not_recorded():
         with marks.region(marks.BACKWARD):
             pass
     assert [r.name for r in found] == [marks.BACKWARD]
+
+
+def test_where_perf_is_refused_the_regions_read_the_threads_cpu_clock(monkeypatch):
+    """A paranoid kernel or a seccomp filter: the same figures from the CPU clock."""
+
+    def refused() -> int:
+        raise PermissionError(errno.EPERM, "perf_event_open: Operation not permitted")
+
+    monkeypatch.setattr(marks, "task_clock", refused)
+    assert marks.on_core_clock() == "thread CPU clock"
+    with marks.recording() as found, marks.region(marks.FORWARD):
+        _spin(0.02)
+    (forward,) = found
+    assert forward.cpu_s == pytest.approx(0.02, abs=3e-3)
