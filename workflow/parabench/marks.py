@@ -19,6 +19,7 @@ import errno
 import os
 import platform
 import struct
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -67,7 +68,7 @@ def task_clock() -> int:
     kernel or a seccomp filter refuses it (its errno in _REFUSED: perf_event_paranoid
     above 2, containers' default profiles; ENOSYS off Linux)."""
     number = _PERF_EVENT_OPEN.get(platform.machine())
-    if number is None or not _SCHEDSTAT.parent.exists():
+    if number is None or not sys.platform.startswith("linux"):
         raise OSError(errno.ENOSYS, f"no perf_event_open on {platform.system()}")
     # perf_event_attr, its first (64-byte) version: type PERF_TYPE_SOFTWARE, size,
     # config, sample_period, sample_type, read_format, flags (exclude_kernel,
@@ -104,15 +105,14 @@ class _Counters:
             self.sched: int | None = os.open(_SCHEDSTAT, os.O_RDONLY)
         except OSError:  # not Linux: no run delay
             self.sched = None
-        # counted from the thread's start, as its CPU clock: where both were read, they agree
-        self.offset = 0.0 if self.clock is None else time.thread_time() - self._task_s()
 
     def _task_s(self) -> float:
         return struct.unpack("Q", os.read(self.clock, 8))[0] / 1e9
 
     def read(self) -> tuple[float, float]:
-        """Seconds on a core and waiting for one, since the thread started."""
-        on_core = time.thread_time() if self.clock is None else self._task_s() + self.offset
+        """Seconds on a core and waiting for one, each from its own origin: a region
+        takes their differences."""
+        on_core = time.thread_time() if self.clock is None else self._task_s()
         if self.sched is None:
             return on_core, 0.0
         return on_core, int(os.pread(self.sched, 128, 0).split()[1]) / 1e9
@@ -125,9 +125,11 @@ class _Counters:
 
 def on_core_clock() -> str:
     """Which clock the regions' `cpu_s` is read from here (recorded with a cell)."""
-    counters = _Counters()
-    counters.close()
-    return "thread CPU clock" if counters.clock is None else "perf task clock"
+    try:
+        os.close(task_clock())
+    except OSError:
+        return "thread CPU clock"
+    return "perf task clock"
 
 
 _recording: list[Region] | None = None  # the regions of the profiled step under way
