@@ -6,7 +6,8 @@ marks.Region figures), so a trace kept beside a cell can be read again anywhere.
 Each profiled step (`parabench.step`) is split into parts that never overlap and sum to
 it, with nothing estimated and nothing subtracted:
 
-- data: batch fetch (`parabench.data`, DataLoader mode) and host-to-device copies;
+- data: batch fetch (`parabench.data`, DataLoader mode) and host-to-device copies (on
+  CUDA, those no compute kernel ran beside: a prefetched copy is hidden);
 - compute: forward, backward and the update;
 - comm_exposed: communication the rank waited for (compute did not hide it);
 - bubble: for strategies whose stages run on ranks of their own (a pipeline), the
@@ -15,7 +16,12 @@ it, with nothing estimated and nothing subtracted:
 
 On CUDA the critical timeline is the GPU's streams (the host runs ahead): compute is
 the kernels that are not communication, exposed communication the NCCL kernels while
-no compute kernel ran, bubble (pipelines) a receive no compute overlapped.
+no compute kernel ran, bubble (pipelines) a receive no compute overlapped. NCCL's
+kernels are named as Holistic Trace Analysis names them (`nccl...Kernel`, every NCCL
+generation's), and only they are communication there: the host's calls that launched
+them ran before the GPU did the work. A CUDA step with no kernel in its trace (CUPTI
+recorded nothing) has no parts, only its length: the CPU formulas would read the host's
+launches as compute (NO_KERNEL says why).
 
 On CPU it is the main thread, whose work the regions (marks.py) bracket: forward,
 backward, optimizer (a pipeline's schedule). Within them, by the kernel's accounting
@@ -40,13 +46,21 @@ is the regions' time less that wait: work the main thread does around communicat
 (FSDP's copies into and out of its buffers) is compute, as it is in the
 no-communication step it is checked against.
 
-comm is every collective's and send/recv's own time (union over threads or streams),
-hidden or not. Communication volume is counted from the c10d ops the counted step
-records, with their tensor shapes: one per collective issued.
+comm is every collective's and send/recv's own time (union over threads, or on CUDA
+over streams), hidden or not. Communication volume is counted from the c10d ops the
+counted step records on any host thread, with their tensor shapes: one per collective
+issued (on CUDA, autograd runs backward, and the collectives its hooks issue, on a
+thread of its own).
+
+A trace from elsewhere (Kineto's, `torch.profiler` with a schedule) marks its steps
+`ProfilerStep#N`: `step_mark=PROFILER_STEP` reads those. They are the host's ranges,
+so the device's work is read within them: right where each step ends synchronized, as
+ours do.
 """
 
 from __future__ import annotations
 
+import math
 import re
 from collections import defaultdict
 from collections.abc import Iterable
@@ -54,15 +68,21 @@ from collections.abc import Iterable
 from parabench.ops import BY_C10D
 
 STEP_MARK = "parabench.step"
+# The steps torch.profiler marks (`prof.step()`), for a trace parabench did not record.
+PROFILER_STEP = re.compile(r"ProfilerStep#\d+")
 DATA_MARK = "parabench.data"
 COMPUTE_REGIONS = ("forward", "backward", "optimizer", "schedule")  # marks.COMPUTE
 LAUNCH_REGION = "launch"  # marks.LAUNCH: a collective's call, within those
 LAUNCH_MARK = "parabench.launch"
 
-# Communication's own spans, on the thread or stream that ran it: gloo's and NCCL's
-# work, functional collectives, NCCL kernels.
+# Communication's own spans on a host thread: gloo's and NCCL's work, c10d's calls,
+# functional collectives.
 _C10D = r"c10d::|_c10d_functional::|c10d_functional::"
-_COMM = re.compile(rf"^(gloo:|nccl:|{_C10D}|record_param_comms|ncclDevKernel|ncclKernel)")
+_COMM = re.compile(rf"^(gloo:|nccl:|{_C10D}|record_param_comms)")
+# On a GPU: NCCL's kernels, by HTA's rule (hta.utils.utils.is_comm_kernel): it takes
+# older NCCL's names too (ncclAllReduceRingLLKernel_sum_f32), beside ncclKernel_* and
+# ncclDevKernel_*.
+_COMM_KERNEL = re.compile(r"^nccl.*Kernel")
 # torch's own ranges around communication on the main thread (FSDP's all-gathers, their
 # waits and its reduce-scatters): communication is under way while they last.
 _COMM_RANGE = re.compile(r"^(FSDP::all_gather \(|FSDP::post_backward_reduce|FSDP::.*wait)")
@@ -70,8 +90,26 @@ _COMM_RANGE = re.compile(r"^(FSDP::all_gather \(|FSDP::post_backward_reduce|FSDP
 _LAUNCH = re.compile(rf"^({_C10D})(?!.*wait)")
 _RECV = re.compile(r"^(ncclDevKernel_SendRecv|ncclKernel_SendRecv)")
 _H2D = re.compile(r"Memcpy HtoD|memcpy.*HtoD", re.I)
-_ELEMENT = {"float": 4, "c10::BFloat16": 2, "c10::Half": 2, "double": 8, "long int": 8, "int": 4}
+# Element sizes by the dtype names the profiler writes (compilers spell int64 both ways).
+_ELEMENT = {
+    "float": 4,
+    "c10::BFloat16": 2,
+    "c10::Half": 2,
+    "double": 8,
+    "long int": 8,
+    "long": 8,
+    "int": 4,
+    "short int": 2,
+    "short": 2,
+    "unsigned char": 1,
+    "signed char": 1,
+    "bool": 1,
+    "c10::Float8_e4m3fn": 1,
+    "c10::Float8_e5m2": 1,
+}
 PARTS = ("compute_s", "comm_exposed_s", "bubble_s", "data_s", "other_s")
+# Why a step has its length but no parts (NaN), the one way that comes about.
+NO_KERNEL = "the CUDA trace holds no kernel: CUPTI recorded nothing, so no device-side anatomy"
 
 
 Interval = tuple[float, float]
@@ -122,10 +160,19 @@ def _is_device(e: dict) -> bool:
     return e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset", "gpu_user_annotation")
 
 
-def step_windows(events: list[dict]) -> tuple[list[Interval], object]:
-    """The profiled steps' spans, and the thread that ran them (the main thread)."""
-    steps = [e for e in events if e.get("ph") == "X" and e.get("name") == STEP_MARK]
-    steps = [e for e in steps if e.get("cat") != "gpu_user_annotation"]
+def _is_step(name: object, mark: str | re.Pattern) -> bool:
+    if isinstance(mark, re.Pattern):
+        return isinstance(name, str) and mark.fullmatch(name) is not None
+    return name == mark
+
+
+def step_windows(
+    events: list[dict], step_mark: str | re.Pattern = STEP_MARK
+) -> tuple[list[Interval], object]:
+    """The profiled steps' spans, and the thread that ran them (the main thread):
+    `step_mark` names their range, or is a pattern of its names (PROFILER_STEP)."""
+    steps = [e for e in events if e.get("ph") == "X" and _is_step(e.get("name"), step_mark)]
+    steps = sorted((e for e in steps if not _is_device(e)), key=lambda e: float(e["ts"]))
     return [_span(e) for e in steps], (steps[0]["tid"] if steps else None)
 
 
@@ -135,25 +182,33 @@ def anatomy(
     pipelined: bool = False,
     ranks_per_core: float = 1.0,
     mates: list[float] | None = None,
+    device_type: str = "cpu",
+    step_mark: str | re.Pattern = STEP_MARK,
 ) -> list[dict[str, float]]:
     """Seconds of each part of each profiled step, plus `step_s` (their sum: the
     profiled step) and `comm_s`. `regions`: per profiled step, in order, the marked
     regions with the main thread's figures (marks.Region.as_dict); `ranks_per_core`:
     how many ranks take turns on each of this rank's cores; `mates`: per profiled step,
     the seconds the main threads of the ranks sharing them ran (on_core; None: no
-    bound but k)."""
-    windows, main = step_windows(events)
+    bound but k); `device_type`: the rank's (torch.device.type): on "cuda", or in any
+    trace with kernels, the parts are the GPU's, and a step without a kernel has only
+    its `step_s`, every other figure NaN (NO_KERNEL); `step_mark`: as step_windows."""
+    windows, main = step_windows(events, step_mark)
     if not windows:
         return []
     spans = [e for e in events if e.get("ph") == "X" and "dur" in e]
     device = [e for e in spans if _is_device(e)]
-    comm = union(_span(e) for e in spans if _COMM.match(e["name"]))
     data = union(
         [_span(e) for e in spans if e["name"] == DATA_MARK]
         + [_span(e) for e in device if _H2D.search(e["name"])]
     )
-    if any(e.get("cat") == "kernel" for e in device):
-        return [_on_gpu(device, comm, data, pipelined, w) for w in windows]
+    kernels = [e for e in device if e.get("cat") == "kernel"]
+    if device_type == "cuda" or kernels:  # kernels: a GPU recorded them, whoever asks
+        comm = union(_span(e) for e in kernels if _COMM_KERNEL.match(e["name"]))
+        busy = union(_span(e) for e in kernels if not _COMM_KERNEL.match(e["name"]))
+        recv = union(_span(e) for e in kernels if _RECV.match(e["name"])) if pipelined else []
+        return [_on_gpu(busy, comm, recv, data, w) for w in windows]
+    comm = union(_span(e) for e in spans if not _is_device(e) and _COMM.match(e["name"]))
     mine = [e for e in spans if e.get("tid") == main]
     ranges = union(_span(e) for e in mine if _COMM_RANGE.match(e["name"]))
     # c10d's calls a full trace records, less those inside a marked launch (counted by
@@ -175,15 +230,24 @@ def _parts(step_s: float, **parts: float) -> dict[str, float]:
     return out
 
 
-def _on_gpu(device, comm, data, pipelined: bool, window: Interval) -> dict[str, float]:
+def _unread(step_s: float) -> dict[str, float]:
+    """A step whose parts the trace cannot tell: its length (µs), every other NaN."""
+    return {**{k: math.nan for k in (*PARTS, "comm_s")}, "step_s": step_s / 1e6}
+
+
+def _on_gpu(busy, comm, recv, data, window: Interval) -> dict[str, float]:
+    """One step on the GPU's streams: `busy` the compute kernels, `comm` NCCL's,
+    `recv` its receives where a pipeline's (else none), `data` the input's spans, all
+    unions."""
     lo, hi = window
-    busy = union(
-        _span(e) for e in device if e.get("cat") == "kernel" and not _COMM.match(e["name"])
-    )
-    compute = subtract(busy, data)
+    if not clip(union(busy + comm), lo, hi):  # CUPTI recorded nothing: no device side
+        return _unread(hi - lo)
+    # A copy under a compute kernel was hidden by it (a prefetch): compute's time, as
+    # HTA counts it; data is what the step spent copying with nothing computing.
+    compute = busy
+    data = subtract(data, compute)
     taken = union(data + compute)
-    recv = [_span(e) for e in device if _RECV.match(e["name"])]
-    bubble = subtract(union(recv), taken) if pipelined else []
+    bubble = subtract(recv, taken)
     exposed = subtract(comm, union(taken + bubble))
     return _parts(
         hi - lo,
@@ -288,7 +352,9 @@ def critical_steps(per_rank: list[list[dict]], pipelined: bool = False) -> list[
     compute is the step's: but it is often the one that started first and waited
     longest. With several points where ranks meet (FSDP's gathers, tensor parallel's
     reductions), a different rank may be the last to arrive at each: one rank's parts
-    are then a lower bound on the compute the step waited for."""
+    are then a lower bound on the compute the step waited for. Where a rank's parts
+    are unknown (NO_KERNEL), so is the straggler: the step keeps its length, its parts
+    stay NaN."""
     ranks = [r for r in per_rank if r]
     if not ranks:
         return []
@@ -296,7 +362,8 @@ def critical_steps(per_rank: list[list[dict]], pipelined: bool = False) -> list[
     out = []
     for i in range(min(len(r) for r in ranks)):
         at = [r[i] for r in ranks]
-        part = dict(max(at, key=lambda p: p["compute_s"] + p["data_s"]))
+        unread = [p for p in at if math.isnan(p["compute_s"])]
+        part = dict(unread[0] if unread else max(at, key=lambda p: p["compute_s"] + p["data_s"]))
         slowest = max(p["step_s"] for p in at)
         part[waiting] = part.get(waiting, 0.0) + slowest - part["step_s"]
         part["step_s"] = slowest
@@ -329,13 +396,19 @@ def _numel(dims) -> int:
     return n
 
 
-def volume(events: list[dict], list_element_bytes: int = 4) -> dict[str, dict[str, float]]:
+def volume(
+    events: list[dict], list_element_bytes: int = 4, step_mark: str | re.Pattern = STEP_MARK
+) -> dict[str, dict[str, float]]:
     """Collectives issued and bytes handed to them, per op, per profiled step, each
-    once (a functional collective runs its c10d op inside its own span). Sizes
-    follow nccl-tests: the full buffer (for all-gather the gathered output, for
-    reduce-scatter the input to reduce). A TensorList's dtype is not in the trace:
-    its elements are `list_element_bytes` each (the caller knows what it sends)."""
-    windows, main = step_windows(events)
+    once (a functional collective runs its c10d op inside its own span), whichever
+    host thread issued them: on CUDA autograd's own thread issues backward's (DDP's
+    bucketed all-reduces, FSDP's reduce-scatters, tensor parallel's). The ranges gloo's
+    and NCCL's threads record (gloo:*, nccl:*, record_param_comms) are no c10d op: not
+    counted again. Sizes follow nccl-tests: the full buffer (for all-gather the
+    gathered output, for reduce-scatter the input to reduce). A TensorList's dtype is
+    not in the trace: its elements are `list_element_bytes` each (the caller knows
+    what it sends). `step_mark`: as step_windows."""
+    windows, _ = step_windows(events, step_mark)
     if not windows:
         return {}
     out: dict[str, dict[str, float]] = defaultdict(lambda: {"count": 0.0, "bytes": 0.0})
@@ -343,16 +416,16 @@ def volume(events: list[dict], list_element_bytes: int = 4) -> dict[str, dict[st
         (
             e
             for e in events
-            if e.get("ph") == "X" and e.get("tid") == main and e.get("name") in BY_C10D
+            if e.get("ph") == "X" and not _is_device(e) and e.get("name") in BY_C10D
         ),
         key=lambda e: (float(e["ts"]), -float(e.get("dur", 0))),
     )
-    end = float("-inf")
+    end: dict[tuple, float] = {}  # per host thread, where its last counted op ends
     for e in issued:
-        t = float(e["ts"])
-        if t < end:  # inside one counted already (a functional collective's c10d op)
+        t, thread = float(e["ts"]), (e.get("pid"), e.get("tid"))
+        if t < end.get(thread, float("-inf")):  # inside one counted already on its thread
             continue
-        end = t + float(e.get("dur", 0))
+        end[thread] = t + float(e.get("dur", 0))
         op = BY_C10D[e["name"]]
         if not any(lo <= t <= hi for lo, hi in windows):
             continue

@@ -16,7 +16,8 @@
   (m micro-batches through n stages take m + n - 1 slots, n - 1 of them idle).
 
 Where one is off by more than TOLERANCE, the cell is flagged and the report shows both
-figures instead of a confident sentence; nothing is adjusted to agree.
+figures instead of a confident sentence; nothing is adjusted to agree. A cell whose
+profiled steps have no parts (anatomy.NO_KERNEL) is flagged with that reason.
 """
 
 from __future__ import annotations
@@ -83,11 +84,15 @@ def check(row: pd.Series, curves: pd.DataFrame) -> dict:
 
 
 def checks(summary: pd.DataFrame, curves: pd.DataFrame) -> pd.DataFrame:
-    """The checks of every row with an anatomy."""
+    """The checks of every row with an anatomy; a row whose anatomy has steps but no
+    parts is flagged with the reason."""
     out = pd.DataFrame(index=summary.index, columns=list(COLUMNS), dtype=object)
     for i, row in summary.iterrows():
         if pd.notna(row.get("compute_s")):
             out.loc[i, list(COLUMNS)] = list(check(row, curves).values())
+        elif pd.notna(row.get("profiled_step_s")):
+            # profiled steps without parts: the one way, a CUDA trace with no kernel
+            out.loc[i, ["anatomy_flag", "anatomy_disagreement"]] = [True, anatomy.NO_KERNEL]
     for c in ("work_check", "comm_curve_s", "comm_check", "schedule_bubble_s", "bubble_check"):
         out[c] = out[c].astype(float)
     return out
