@@ -1,6 +1,7 @@
 # parabench: PyTorch multi-device training strategies, each at 1, 2 and 4 devices.
 #   snakemake --cores 1                      small CPU run (config/config.yaml)
 #   snakemake --profile profiles/slurm       on a GPU cluster (see README)
+from snakemake.exceptions import WorkflowError
 from snakemake.utils import min_version, validate
 
 min_version("8.20")
@@ -15,7 +16,14 @@ if not workflow.overwrite_configfiles:
     configfile: "config/config.yaml"
 
 
-validate(config, "workflow/schemas/config.schema.yaml")
+# Snakemake's validation (it fills the schema's defaults), its error said in one line
+# naming the key: its own message prints the whole schema after that line.
+try:
+    validate(config, "workflow/schemas/config.schema.yaml")
+except WorkflowError:
+    from parabench.config import schema_problem
+
+    raise WorkflowError(f"invalid config: {schema_problem(config)}") from None
 
 
 # Timed jobs (cells, the collectives benchmark) take one `timed_cells` each, and the
@@ -29,6 +37,7 @@ resource_scopes:
 
 
 include: "workflow/rules/common.smk"
+include: "workflow/rules/doctor.smk"
 include: "workflow/rules/benchmark.smk"
 include: "workflow/rules/ranks.smk"
 include: "workflow/rules/aggregate.smk"

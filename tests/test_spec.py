@@ -12,7 +12,7 @@ from conftest import REPO, TINY_MLP, tiny_config, tiny_spec
 from parabench import catalog
 from parabench.checks import problems as spec_problems
 from parabench.cli import _parser
-from parabench.config import cells, problems
+from parabench.config import cells, checked, problems, skipped
 from parabench.launch import cell_argv
 from parabench.spec import RunSpec, from_namespace
 
@@ -39,7 +39,6 @@ def test_valid_default_has_no_problems_and_one_cell_per_strategy_device_repeat()
 @pytest.mark.parametrize(
     "over, key",
     [
-        ({"models": {"tiny": {"arch": "mlp", "dims": [48, 8, 1], "batch_size": 64}}}, "devices"),
         (
             {
                 "models": {
@@ -66,6 +65,19 @@ def test_broken_rules_name_the_key(tmp_path, over, key):
     found = problems({**config(), **over}, workdir=tmp_path)
     assert found, f"{over} should be refused"
     assert any(key in p for p in found), found
+
+
+def test_fewer_blocks_than_stages_is_a_skipped_cell_not_a_refusal():
+    two = {"models": {"tiny": {"arch": "mlp", "dims": [48, 8, 1], "batch_size": 64}}}
+    assert problems(config(**two)) == []
+    assert sorted(skipped(checked(config(**two)))) == [
+        "DataParallel needs 2 CUDA devices; on CPU it silently runs a single copy, so no "
+        "honest multi-device number exists",
+        "DataParallel needs 4 CUDA devices; on CPU it silently runs a single copy, so no "
+        "honest multi-device number exists",
+        "model_parallel at 4 devices needs 4 stages, and models.tiny has only 2 blocks",
+        "pipeline at 4 devices needs 4 stages, and models.tiny has only 2 blocks",
+    ]
 
 
 def test_divisibility_is_per_strategy():

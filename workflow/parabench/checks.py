@@ -28,7 +28,7 @@ def problems(spec: RunSpec, launching: bool = True) -> list[str]:
     out += [f"models.{spec.model_name}.{p}" for p in facts.problems]
     if out:
         return out
-    return out + _combination(spec, facts)
+    return out + _combination(spec)
 
 
 def _settings(spec: RunSpec, launching: bool) -> list[str]:
@@ -83,8 +83,10 @@ def _settings(spec: RunSpec, launching: bool) -> list[str]:
     return out
 
 
-def _combination(spec: RunSpec, facts: models.ModelFacts) -> list[str]:
-    """Rules that tie the strategy, the devices and the model together."""
+def _combination(spec: RunSpec) -> list[str]:
+    """Rules that tie the strategy's settings, the devices and the batch together. Where
+    the model's shape rules a strategy out at a device count, the cell is skipped instead
+    (shape_skip_reason)."""
     out: list[str] = []
     rec, name = spec.record, spec.model_name
     options = dict(spec.options)
@@ -92,20 +94,6 @@ def _combination(spec: RunSpec, facts: models.ModelFacts) -> list[str]:
     if spec.global_batch % div:
         out.append(
             f"models.{name}.batch_size: global batch {spec.global_batch} is not divisible by {what}"
-        )
-    if rec.needs_tp_plan and facts.tp_skip:
-        pass  # a model tensor parallelism cannot split: skipped (static_skip_reason)
-    elif rec.needs_tp_plan and not facts.has_tp_plan:
-        out.append(
-            f"strategies: {spec.strategy} needs a tensor-parallel plan, and "
-            f"models.{name} declares none (a custom factory returns tp_plan)"
-        )
-    elif rec.needs_tp_plan and (why := facts.tp_problem(spec.devices)):
-        out.append(f"models.{name}.{why}")
-    if rec.cuts_model and not facts.cut_skip and spec.devices > facts.n_blocks:
-        out.append(
-            f"devices: {spec.strategy} at {spec.devices} devices needs {spec.devices} stages "
-            f"but model {name!r} has only {facts.n_blocks} blocks"
         )
     if spec.nodes > 1 and spec.devices % spec.nodes:
         out.append(
@@ -136,8 +124,36 @@ def static_skip_reason(spec: RunSpec) -> str | None:
         )
     if spec.compile and not rec.compiles:
         return f"torch.compile does not compose with {rec.label} (compile: true)"
-    if rec.needs_tp_plan and (why := models.facts(spec.model).tp_skip):
-        return f"{spec.strategy}: {why}"
-    if rec.cuts_model and (why := models.facts(spec.model).cut_skip):
-        return f"{spec.strategy} cuts stages between the blocks of models.{spec.model_name}: {why}"
+    if rec.needs_tp_plan or rec.cuts_model:
+        return shape_skip_reason(spec, models.facts(spec.model))
+    return None
+
+
+def shape_skip_reason(spec: RunSpec, facts: models.ModelFacts) -> str | None:
+    """Why the strategy cannot apply to this model at this device count because of the
+    model's shape: a width tensor parallelism cannot split over the ranks, fewer blocks
+    than stages. Not a mistake in the config (a sweep of every strategy over several
+    models and device counts meets such cells), so the cell is recorded as skipped
+    with the reason, as DataParallel on CPU is."""
+    rec, name = spec.record, spec.model_name
+    if rec.needs_tp_plan:
+        if facts.tp_skip:
+            return f"{spec.strategy}: {facts.tp_skip}"
+        if not facts.has_tp_plan:
+            return (
+                f"{spec.strategy} needs a tensor-parallel plan, and models.{name} declares "
+                "none (a custom factory returns tp_plan)"
+            )
+        if why := facts.tp_problem(spec.devices):
+            return f"models.{name}.{why}"
+    if rec.cuts_model:
+        if facts.cut_skip:
+            return (
+                f"{spec.strategy} cuts stages between the blocks of models.{name}: {facts.cut_skip}"
+            )
+        if spec.devices > facts.n_blocks:
+            return (
+                f"{spec.strategy} at {spec.devices} devices needs {spec.devices} stages, and "
+                f"models.{name} has only {facts.n_blocks} blocks"
+            )
     return None

@@ -1,5 +1,5 @@
 """Command line: `parabench launch | run | launch-collectives | collectives | ranks |
-aggregate | report | compare | plan | sweep`.
+aggregate | report | compare | plan | sweep | doctor`.
 
 `launch` starts one cell however it must be started and records its outcome, whatever
 happens; `run` is what each of its processes runs. Their flags are RunSpec's fields
@@ -106,11 +106,28 @@ def _parser() -> argparse.ArgumentParser:
     )
     pln.add_argument("--out", type=Path, required=True, help="directory for plan.csv")
 
+    doc = sub.add_parser("doctor", help="check this environment can run a config, one line each")
+    doc.add_argument(
+        "config", type=Path, nargs="?", help="a workflow config file (default config/config.yaml)"
+    )
+    doc.add_argument("--config-json", default="", help="the workflow config, as JSON")
+    doc.add_argument("--profile", type=Path, help="a Slurm profile directory to check")
+    doc.add_argument(
+        "--gpus",
+        choices=("auto", "here", "later"),
+        default="auto",
+        help="GPU checks: here, later (on the GPU node), auto (here if this host has GPUs)",
+    )
+    doc.add_argument("--out", type=Path, help="also write the lines to this file")
+
     swp = sub.add_parser("sweep", help="run a whole config without Snakemake, then report")
     swp.add_argument("config", type=Path, help="a workflow config file (config/*.yaml)")
     swp.add_argument("--results", help="results directory (overrides the config's)")
     swp.add_argument("--devices", help="device counts, e.g. 1,2,4, or auto: what the GPUs allow")
     swp.add_argument("--force", action="store_true", help="rerun cells already recorded")
+    swp.add_argument(
+        "-n", "--dry-run", action="store_true", help="plan and list the cells, run nothing"
+    )
     return parser
 
 
@@ -173,10 +190,12 @@ def main(argv: list[str] | None = None) -> int:
         return _plan(args)
     if args.command == "ranks":
         return _ranks(args)
+    if args.command == "doctor":
+        return _doctor(args)
     if args.command == "sweep":
         from parabench.sweep import main as sweep
 
-        return sweep(args.config, args.results, args.devices, args.force)
+        return sweep(args.config, args.results, args.devices, args.force, args.dry_run)
     if args.command == "report":
         from parabench.report import TEMPLATES, load_config, render
 
@@ -282,6 +301,32 @@ def _config(args: argparse.Namespace) -> dict:
     if args.config_json:
         return checked(json.loads(args.config_json))
     raise ConfigError(f"parabench {args.command} needs a config file or --config-json")
+
+
+def _doctor(args: argparse.Namespace) -> int:
+    from parabench import doctor
+    from parabench.config import ConfigError, load_config
+
+    try:
+        if not args.config and not args.config_json:
+            args.config = Path("config/config.yaml")
+        config = _config(args) if args.config_json else load_config(args.config)
+    except (ConfigError, OSError) as e:
+        print(f"parabench doctor: {e}", file=sys.stderr)
+        return 2
+    gpus = {"auto": None, "here": True, "later": False}[args.gpus]
+    slurm = doctor.profile_resources(args.profile) if args.profile else None
+    found = doctor.run_checks(config, Path.cwd(), slurm, gpus)
+    text = "\n".join(c.line() for c in found) + "\n"
+    print(text, end="", flush=True)
+    if args.out:
+        from parabench.records import atomic_write_bytes
+
+        atomic_write_bytes(args.out, text.encode())
+    if bad := doctor.failed(found):
+        print(f"parabench doctor: {len(bad)} check(s) failed", file=sys.stderr)
+        return 1
+    return 0
 
 
 def _ranks(args: argparse.Namespace) -> int:

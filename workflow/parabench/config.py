@@ -88,17 +88,25 @@ def as_integers(data, schema: dict):
 def checked(data: dict) -> dict:
     """`data` checked against the schema (where jsonschema is installed: it comes with
     Snakemake), with the schema's defaults filled in; ConfigError names the key."""
+    if why := schema_problem(data):
+        raise ConfigError(why)
+    schema = load_schema()
+    return as_integers(with_defaults(schema, copy.deepcopy(data)), schema)
+
+
+def schema_problem(data: dict) -> str | None:
+    """The config's first break of the schema in one line naming the key (jsonschema's
+    own message prints the whole schema after it), or None."""
     schema = load_schema()
     try:
         import jsonschema
     except ImportError:  # e.g. a GPU image without Snakemake; problems() still runs
-        pass
-    else:
-        validator = jsonschema.validators.validator_for(schema)(schema)
-        if error := jsonschema.exceptions.best_match(validator.iter_errors(data)):
-            where = ".".join(map(str, error.absolute_path)) or "(top level)"
-            raise ConfigError(f"{where}: {error.message}")
-    return as_integers(with_defaults(schema, copy.deepcopy(data)), schema)
+        return None
+    validator = jsonschema.validators.validator_for(schema)(schema)
+    if error := jsonschema.exceptions.best_match(validator.iter_errors(data)):
+        where = ".".join(map(str, error.absolute_path)) or "(top level)"
+        return f"{where}: {error.message}"
+    return None
 
 
 def load_config(path: Path) -> dict:
@@ -233,6 +241,10 @@ def problems(config: dict, workdir: Path | None = None) -> list[str]:
     all_at = {f"models.{s.model_name} / {s.strategy} at devices={s.devices}" for s in all_cells}
     for p, cells_at in where.items():
         out.append(p if len(cells_at) == len(all_at) else f"{p} ({'; '.join(cells_at)})")
+    if not out and all_cells and all(checks.static_skip_reason(s) for s in all_cells):
+        # each reason names its key; together they rule out every cell
+        reasons = sorted({checks.static_skip_reason(s) for s in all_cells})
+        out += [f"{why} (and nothing else this config asks for can run)" for why in reasons]
     for key in ("cell_timeout_s",):
         if key in config and not math.isfinite(config[key]):
             out.append(f"{key}: must be a finite number, got {config[key]}")
@@ -240,6 +252,17 @@ def problems(config: dict, workdir: Path | None = None) -> list[str]:
         res = (workdir / config["results"]).resolve()
         if not res.is_relative_to(workdir.resolve()):
             out.append(f"results: {config['results']!r} lies outside the working directory")
+    return out
+
+
+def skipped(config: dict) -> dict[str, list[str]]:
+    """The cells (repeat 0) that the settings alone skip, by reason: what planning lists
+    (a strategy that cannot apply to a model at a device count, DataParallel on CPU),
+    each recorded as skipped with its reason, no job asking for GPUs."""
+    out: dict[str, list[str]] = {}
+    for spec in (c.spec for c in cells(config) if c.spec.repeat == 0):
+        if reason := checks.static_skip_reason(spec):
+            out.setdefault(reason, []).append(f"{spec.model_name} {spec.variant} {spec.strategy}")
     return out
 
 
@@ -258,7 +281,7 @@ def plan_problems(config: dict, workdir: Path | None = None) -> list[str]:
         if s not in STRATEGIES:
             out.append(f"plan.strategies: unknown strategy {s!r}; known: {list(STRATEGIES)}")
     fabric = plan.get("fabric", "curves")
-    if fabric == "curves" and not collective_devices(config):
+    if fabric == "curves" and not [n for n in collective_devices(config) if n > 1]:
         out.append(
             "plan.fabric: curves needs a collectives benchmark, and no cell of this config "
             "runs more than one rank: name a profile or an nccl-tests output file"
@@ -274,8 +297,14 @@ def plan_problems(config: dict, workdir: Path | None = None) -> list[str]:
 
 def collective_devices(config: dict) -> list[int]:
     """Device counts that get a collectives benchmark: every n > 1 at which some cell
-    runs as n ranks on one node (what the scaling model needs curves for)."""
-    return sorted({s.devices for s in _multi_rank(config)})
+    runs as n ranks on one node (what the scaling model needs curves for); on CUDA also
+    n = 1 where a cell runs one rank under torchrun, so that one GPU runs NCCL's
+    collectives through the benchmark's launch path too."""
+    counts = {s.devices for s in _multi_rank(config)}
+    one = (c.spec for c in cells(config) if c.spec.repeat == 0 and c.spec.devices == 1)
+    if any(s.torchrun and not checks.static_skip_reason(s) for s in one):
+        counts.add(1)
+    return sorted(counts)
 
 
 def collective_bytes(config: dict) -> list[int]:

@@ -36,8 +36,9 @@ def _torchrun(python: str, nproc: int) -> list[str]:
 
 def cell_argv(spec: RunSpec, out: Path | str, python: str = "python") -> list[str]:
     """`python [-m parabench.torchrun ...] -m parabench run <spec> --out <out>` on
-    one node; across nodes (spec.nodes > 1, several ranks), see `multinode_argv`."""
-    head = _torchrun(python, spec.ranks) if spec.ranks > 1 else [python]
+    one node (torchrun where spec.torchrun); across nodes (spec.nodes > 1, several
+    ranks), see `multinode_argv`."""
+    head = _torchrun(python, spec.ranks) if spec.torchrun else [python]
     return [*head, "-m", "parabench", "run", *spec.to_argv(), "--out", str(out)]
 
 

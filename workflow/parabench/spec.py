@@ -143,6 +143,15 @@ class RunSpec:
         return self.record.ranks(self.devices)
 
     @property
+    def torchrun(self) -> bool:
+        """Whether the cell's processes start under torchrun (launch.py): several ranks,
+        or on CUDA the one rank of a distributed strategy at one device, so that one GPU
+        runs the launch path n GPUs run (the agent, a forked rank, an NCCL group bound
+        to its device). On the CPU one rank starts as a plain process (in-memory store),
+        sparing the agent's two seconds."""
+        return self.ranks > 1 or (self.device == "cuda" and self.record.process_group(self.devices))
+
+    @property
     def is_reference(self) -> bool:
         return self.strategy == REFERENCE
 

@@ -15,7 +15,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from parabench import records
+from parabench import doctor, records
+from parabench.catalog import CATALOG, ONE_PROCESS
 from parabench.config import (
     ConfigError,
     alone_ranks,
@@ -24,6 +25,7 @@ from parabench.config import (
     collective_devices,
     load_config,
     problems,
+    skipped,
 )
 from parabench.launch import launch_collectives_command, launch_command
 
@@ -51,12 +53,38 @@ def _logged(argv: list[str], log: Path) -> int:
         return subprocess.run(argv, stdout=f, stderr=subprocess.STDOUT, check=False).returncode
 
 
-def sweep(config: dict, workdir: Path, force: bool = False) -> Path:
+def dry_run(config: dict) -> list[str]:
+    """What a sweep of `config` would run, a line each (`parabench sweep -n`): its cells,
+    those the settings skip with their reasons, and the benchmarks beside them."""
+    planned = cells(config)
+    lines = [f"{len(planned)} cells, each its own launch:"]
+    lines += [f"  {c.path}" for c in planned]
+    lines += [
+        f"skipped, {why}: {', '.join(sorted(set(where)))}" for why, where in skipped(config).items()
+    ]
+    lines += [f"collectives benchmark at {n} ranks" for n in collective_devices(config)]
+    if alone := alone_ranks(config):
+        lines.append(f"ranks: {len(alone)} ranks measured alone (the scaling model's input)")
+    if config["plan"]["enabled"]:
+        lines.append(f"plan: world sizes {config['plan']['world_sizes']}")
+    return lines
+
+
+def sweep(config: dict, workdir: Path, force: bool = False, dry: bool = False) -> Path | None:
     """Run every cell of `config` not yet recorded, then aggregate and report. Returns
-    the report's path."""
+    the report's path; `dry`: print the plan and run nothing (None)."""
     found = problems(config, workdir)
     if found:
         raise ConfigError("invalid config:\n  - " + "\n  - ".join(found))
+    if dry:
+        print("\n".join(dry_run(config)), flush=True)
+        return None
+    # The preflight: every check here, where the cells run (parabench.doctor).
+    checked = doctor.run_checks(config, workdir, gpus=True)
+    for check in checked:
+        print(f"doctor: {check.line()}", flush=True)
+    if doctor.failed(checked):
+        raise ConfigError("this environment cannot run this config (the FAIL lines above)")
     results = workdir / config["results"]
     planned = cells(config)
     metas = []
@@ -115,7 +143,62 @@ def sweep(config: dict, workdir: Path, force: bool = False) -> Path:
     from parabench.report import TEMPLATES, render
 
     render(results, TEMPLATES, config, results / "report.html")
+    if config["device"] == "cuda":
+        print("\n".join(cuda_paths(results)), flush=True)
     return results / "report.html"
+
+
+def cuda_paths(results: Path) -> list[str]:
+    """Which CUDA paths a sweep ran, read from its tables, and which need more GPUs than
+    it had (what `make gpu-check` ends with): a line each, `ran` or `not run`."""
+    import pandas as pd
+
+    def table(name: str) -> pd.DataFrame:
+        path = results / name
+        return pd.read_csv(path) if path.is_file() and path.stat().st_size else pd.DataFrame()
+
+    cells, ranks, curves = table("cells.csv"), table("ranks.csv"), table("collectives.csv")
+    ok = cells[(cells.get("status") == "ok") & (cells.get("device_type") == "cuda")]
+    if ok.empty:
+        return ["CUDA paths: no cell ran on CUDA (see the report's failed and skipped cells)"]
+    ranked = ok[ok["strategy"].map(lambda s: CATALOG[s].launch != ONE_PROCESS)]
+
+    def ran(what: str, rows: pd.DataFrame, need: str) -> str:
+        return f"  {'ran    ' if len(rows) else 'not run'}  {what}" + (
+            "" if len(rows) else f" ({need})"
+        )
+
+    lines = ["CUDA paths this sweep ran:"]
+    lines.append(
+        ran("torchrun agent, forked rank, NCCL group bound to its GPU", ranked, "no rank ran")
+    )
+    lines.append(ran("no-communication group on CUDA (step_nocomm_s)", ranked, "no rank ran"))
+    lines.append(
+        ran(
+            "NCCL between GPUs: DDP, ZeRO-1, FSDP2, TP, pipeline",
+            ranked[ranked["devices"] > 1],
+            "needs 2 GPUs",
+        )
+    )
+    # one process driving every device (DataParallel, model parallel), by their records
+    spread = [n for n, r in CATALOG.items() if r.launch == ONE_PROCESS and not r.fixed_devices]
+    one = ok[ok["strategy"].isin(spread) & (ok["devices"] > 1)]
+    lines.append(
+        ran("one process over several GPUs: DataParallel, model parallel", one, "needs 2 GPUs")
+    )
+    lines.append(ran("bf16 autocast on CUDA", ok[ok["precision"] == "bf16"], "precision: [bf16]"))
+    lines.append(
+        ran("torch.compile on CUDA (Triton)", ok[ok["compile"].astype(bool)], "compile: [true]")
+    )
+    lines.append(ran("allocator peaks and the kernel-trace anatomy", ok, ""))
+    at = sorted(int(n) for n in curves["devices"].unique()) if "devices" in curves else []
+    lines.append(ran(f"collectives benchmark (NCCL) at {at} ranks", curves, "no benchmark ran"))
+    alone = ranks[ranks.get("status") == "ok"] if "status" in ranks else ranks
+    lines.append(ran("ranks measured alone on CUDA (the scaling model's input)", alone, "none ran"))
+    lines.append(
+        ran("more than one node (srun + torchrun)", cells.iloc[0:0], "needs a Slurm cluster")
+    )
+    return lines
 
 
 def _aggregate(
@@ -134,7 +217,9 @@ def _aggregate(
     )
 
 
-def main(config_path: Path, results: str | None, devices: str | None, force: bool) -> int:
+def main(
+    config_path: Path, results: str | None, devices: str | None, force: bool, dry: bool = False
+) -> int:
     try:
         config = load_config(config_path)
         if results:
@@ -143,12 +228,13 @@ def main(config_path: Path, results: str | None, devices: str | None, force: boo
             config["devices"] = visible_gpus() or [1]
         elif devices:
             config["devices"] = [int(n) for n in devices.split(",")]
-        report = sweep(config, Path.cwd(), force)
+        report = sweep(config, Path.cwd(), force, dry)
     except ConfigError as e:
         print(f"parabench sweep: {e}", file=sys.stderr)
         return 2
     except records.ResultsError as e:
         print(f"parabench sweep: refusing to merge: {e}", file=sys.stderr)
         return 1
-    print(f"report: {report}")
+    if report is not None:
+        print(f"report: {report}")
     return 0

@@ -5,6 +5,7 @@ import shlex
 from pathlib import Path
 
 from snakemake.exceptions import WorkflowError
+from snakemake.logging import logger
 
 from parabench.catalog import OPTIMIZERS, PRECISIONS, STRATEGIES, multi_rank
 from parabench.checks import static_skip_reason
@@ -16,6 +17,7 @@ from parabench.config import (
     collective_devices,
     load_schema,
     problems,
+    skipped,
 )
 from parabench.launch import launch_collectives_command, launch_command
 from parabench.records import CELL_DIR
@@ -34,6 +36,14 @@ if _problems:
     raise WorkflowError("invalid config:\n  - " + "\n  - ".join(_problems))
 
 CELLS = {cell.path: cell for cell in cells(config)}
+
+# Cells a strategy cannot run for this model, device count or device (a width tensor
+# parallelism cannot split, fewer blocks than stages, DataParallel on CPU): listed when
+# the workflow plans, each recorded as skipped with its reason by its job, which asks
+# for no GPU. Said once, by the process that plans, not by every cluster job.
+if workflow.is_main_process:
+    for reason, where in skipped(config).items():
+        logger.info(f"parabench: skipped, {reason}: {', '.join(sorted(set(where)))}")
 
 
 def cell_dir(path):

@@ -201,4 +201,5 @@ def inspect_factory(spec: ModelSpec) -> ModelFacts:
         bool(model.tp_plan),
         (split,) if split.widths else (),
         cut_skip=stages.trace(model).problem,
+        n_params=sum(p.numel() for p in model.module.parameters()),
     )

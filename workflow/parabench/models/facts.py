@@ -10,6 +10,7 @@ builds.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -59,6 +60,9 @@ class ModelFacts:
     # Why tensor parallelism cannot apply to this model at all (its cells are skipped
     # with it), where a model without a plan is not a mistake in the config.
     tp_skip: str | None = None
+    # Parameters of the whole model (what each cell's params.pt holds, in fp32); None
+    # where planning does not build the model (arch: hf).
+    n_params: int | None = None
 
     def tp_problem(self, devices: int) -> str | None:
         """Why tensor parallelism cannot split this model over `devices`, or None."""
@@ -80,25 +84,38 @@ def gpt_layout(n_layer: int) -> list[str]:
     return ["embed", *(["block"] * n_layer), "head"]
 
 
+def _linear(a: int, b: int, bias: bool = True) -> int:
+    """Parameters of nn.Linear(a, b)."""
+    return a * b + (b if bias else 0)
+
+
 def _mlp(sizes: Mapping) -> ModelFacts:
     dims = list(sizes["dims"])
     # layer i maps dims[i] to dims[i + 1]: a pair (i, i + 1) splits its inner width
     inner = tuple(dims[i + 1] for i, _ in linear_pairs(len(dims) - 1))
     split = TPSplit("dims", "the widths", inner)
-    return ModelFacts(len(dims) - 1, True, (split,))
+    n = sum(_linear(a, b) for a, b in itertools.pairwise(dims))
+    return ModelFacts(len(dims) - 1, True, (split,), n_params=n)
 
 
 def _resmlp(sizes: Mapping) -> ModelFacts:
-    hidden = 4 * sizes["width"]
+    w, hidden = sizes["width"], 4 * sizes["width"]
     split = TPSplit("width", "the MLP's 4 x width", (hidden,))
-    return ModelFacts(sizes["depth"] + 2, True, (split,))
+    # input layer; per block LayerNorm + fc1 + fc2; LayerNorm + the classifier
+    block = 2 * w + _linear(w, hidden) + _linear(hidden, w)
+    n = _linear(sizes["d_in"], w) + sizes["depth"] * block + 2 * w + _linear(w, sizes["classes"])
+    return ModelFacts(sizes["depth"] + 2, True, (split,), n_params=n)
 
 
 def _gpt(sizes: Mapping) -> ModelFacts:
     d, heads = sizes["d_model"], sizes["n_head"]
     problems = () if d % heads == 0 else (f"d_model: {d} is not divisible by n_head ({heads})",)
     split = TPSplit("n_head", "attention heads", (heads,))
-    return ModelFacts(len(gpt_layout(sizes["n_layer"])), True, (split,), problems)
+    # embeddings; per block two LayerNorms, q, k, v, out, the 4x MLP; LayerNorm + head
+    block = 4 * d + 4 * _linear(d, d) + _linear(d, 4 * d) + _linear(4 * d, d)
+    vocab = sizes["vocab"]
+    n = (vocab + sizes["seq_len"]) * d + sizes["n_layer"] * block + 2 * d + vocab * d
+    return ModelFacts(len(gpt_layout(sizes["n_layer"])), True, (split,), problems, n_params=n)
 
 
 PRESET_FACTS = {"mlp": _mlp, "seqnet": _mlp, "resmlp": _resmlp, "gpt": _gpt}

@@ -1,0 +1,221 @@
+"""Every config we ship plans, at 1, 2, 4 and 8 devices, the three ways a user plans
+one: the package (`parabench sweep -n`), Snakemake (`-n`) and Snakemake with the Slurm
+profile (submitting nothing). A strategy the model's shape rules out at a device count
+is a skipped cell with its reason, never a refusal of the whole config; a mistake in the
+config itself is refused in a few lines naming the key. And the preflight
+(`parabench doctor`) says in seconds what this host cannot run, before any job."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import REPO, TINY_ENTRY, snakemake, tiny_config
+from parabench import doctor
+from parabench.config import cells, checked, load_config, problems, skipped
+from parabench.launch import cell_argv
+from parabench.spec import ModelSpec, RunSpec
+
+SHIPPED = ["config/config.yaml", "config/gpu.yaml", "config/gpu-check.yaml"]
+COUNTS = [1, 2, 4, 8]
+
+
+def shipped(path: str, devices: list[int]) -> dict:
+    config = load_config(REPO / path)
+    config["devices"] = devices
+    return config
+
+
+@pytest.mark.parametrize("path", SHIPPED)
+@pytest.mark.parametrize("n", COUNTS)
+def test_every_shipped_config_plans_at_every_device_count(path, n):
+    config = shipped(path, [n])
+    assert problems(config, REPO) == []
+    planned = [c.spec for c in cells(config)]
+    assert planned, "a config that plans no cell"
+    reasons = skipped(config)
+    ruled_out = sum(len(where) for where in reasons.values())
+    assert ruled_out < len([s for s in planned if s.repeat == 0]), "nothing would run"
+
+
+def test_a_width_tensor_parallelism_cannot_split_is_a_skipped_cell_with_its_reason():
+    """The README's cluster command was refused: mlp's width 50 does not divide by 4."""
+    reasons = skipped(shipped("config/gpu.yaml", [1, 2, 4, 8]))
+    tp4 = next(r for r in reasons if "50 do not divide by 4" in r)
+    assert tp4.startswith("models.mlp.dims: tensor parallel splits the widths [400, 200, 50]")
+    assert reasons[tp4] == ["mlp bf16-adamw-compile tp"]
+    stages = next(r for r in reasons if "pipeline at 8 devices needs 8 stages" in r)
+    assert "models.mlp has only 6 blocks" in stages
+
+
+def test_a_config_whose_every_cell_is_skipped_is_refused_saying_why():
+    config = checked({**tiny_config(), "strategies": ["tp"], "devices": [5]})
+    found = problems(config)
+    assert len(found) == 1, found
+    assert found[0].startswith("models.tiny.dims: tensor parallel splits the widths")
+    assert found[0].endswith("do not divide by 5 (and nothing else this config asks for can run)")
+
+
+@pytest.mark.parametrize("path", SHIPPED)
+@pytest.mark.parametrize("profile", [None, "slurm"])
+def test_snakemake_plans_every_shipped_config(tmp_path, path, profile):
+    config = shipped(path, COUNTS)
+    args = ["-n", "--cores", "1"]
+    if profile:  # plans the sbatch jobs, submits none (a dry run)
+        args += ["--profile", str(REPO / "profiles" / profile)]
+    proc = snakemake(tmp_path, *args, config=config)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = proc.stdout + proc.stderr
+    assert "benchmark" in out
+    for reason in skipped(config):  # listed when the workflow plans
+        assert f"parabench: skipped, {reason}" in out
+
+
+@pytest.mark.parametrize("path", SHIPPED)
+def test_the_sweep_plans_every_shipped_config_without_snakemake(tmp_path, path):
+    cmd = [sys.executable, "-m", "parabench", "sweep", "-n", str(REPO / path)]
+    proc = subprocess.run(
+        [*cmd, "--devices", "1,2,4,8"], capture_output=True, text=True, cwd=tmp_path
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "cells, each its own launch" in proc.stdout
+    assert not (tmp_path / "results").exists(), "a dry run wrote results"
+
+
+def test_a_config_mistake_is_a_few_lines_naming_the_key(tmp_path):
+    """Snakemake's own message prints the whole schema (555 lines) after the line that
+    matters."""
+    proc = snakemake(tmp_path, "-n", "--cores", "1", config={"device": "cpu"})
+    assert proc.returncode != 0
+    lines = (proc.stdout + proc.stderr).strip().splitlines()
+    assert len(lines) <= 6, lines
+    assert any("invalid config: (top level): 'models' is a required property" in x for x in lines)
+
+
+def test_one_gpu_runs_a_distributed_strategy_under_torchrun():
+    """On CUDA, ddp at one device starts like ddp at n: torchrun's agent forks its rank,
+    which opens an NCCL group bound to its GPU. On the CPU it stays a plain process."""
+    model = ModelSpec.of("mlp", dims=TINY_ENTRY["dims"])
+    common = {"model_name": "tiny", "model": model, "batch_size": 64}
+    on_gpu = RunSpec(strategy="ddp", devices=1, device="cuda", **common)
+    argv = cell_argv(on_gpu, Path("out"))
+    assert argv[1:3] == ["-m", "parabench.torchrun"] and "--nproc-per-node" in argv
+    assert argv[argv.index("--nproc-per-node") + 1] == "1"
+    on_cpu = RunSpec(strategy="ddp", devices=1, device="cpu", **common)
+    assert "parabench.torchrun" not in cell_argv(on_cpu, Path("out"))
+    single = RunSpec(strategy="single", devices=1, device="cuda", **common)
+    assert "parabench.torchrun" not in cell_argv(single, Path("out"))
+    # and the collectives benchmark runs at one rank there too
+    from parabench.config import collective_devices
+
+    assert collective_devices(shipped("config/gpu-check.yaml", [1])) == [1]
+    assert 1 not in collective_devices(shipped("config/config.yaml", [1]))  # CPU: no
+
+
+def run_doctor(*args: str, cwd: Path = REPO, env: dict | None = None):
+    cmd = [sys.executable, "-m", "parabench", "doctor", *args]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=cwd, env=env)
+    return proc, time.perf_counter() - t0
+
+
+def test_doctor_refuses_a_gpu_config_on_this_cpu_host_in_seconds():
+    if doctor.torch_build()[1] is not None:
+        pytest.skip("this host's torch is a CUDA build")
+    proc, took = run_doctor("config/gpu.yaml")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert took < 5, f"{took:.1f} s"
+    lines = proc.stdout.splitlines()
+    torch_line = next(x for x in lines if "torch:" in x)
+    assert torch_line.split()[0] == "FAIL" and "CPU-only build" in torch_line
+    gpus = next(x for x in lines if "gpus:" in x)
+    assert gpus.split()[0] == "FAIL" and "0 GPUs usable" in gpus and "up to 4 per node" in gpus
+
+
+def test_doctor_passes_the_default_cpu_config():
+    proc, _ = run_doctor("config/config.yaml")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert [x.split()[0] for x in proc.stdout.splitlines()] == ["ok", "ok"]  # torch, disk
+
+
+def test_doctor_names_a_missing_compiler_when_compile_is_on(tmp_path):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(yaml.safe_dump({**tiny_config(), "compile": [True]}))
+    env = {**os.environ, "PATH": str(Path(sys.executable).parent)}  # no cc, c++, g++
+    env.pop("CXX", None)
+    proc, _ = run_doctor(str(cfg), cwd=tmp_path, env=env)
+    assert proc.returncode == 1
+    line = next(x for x in proc.stdout.splitlines() if "compiler:" in x)
+    assert line.split()[0] == "FAIL" and "compile: true needs a C++ compiler" in line
+
+
+def test_doctor_under_a_slurm_profile_leaves_gpus_to_the_node(tmp_path):
+    prof = tmp_path / "prof"
+    prof.mkdir()
+    (prof / "config.yaml").write_text("executor: slurm\ndefault-resources:\n  runtime: 60\n")
+    proc, _ = run_doctor("config/gpu-check.yaml", "--profile", str(prof))
+    lines = {x.split()[1].rstrip(":"): x.split()[0] for x in proc.stdout.splitlines()}
+    assert lines["gpus"] == "later" and lines["slurm"] == "warn"
+
+
+def test_a_local_run_refuses_before_any_job_where_the_doctor_fails(tmp_path):
+    """onstart: after planning, before the first job; never on a dry run."""
+    if doctor.torch_build()[1] is not None:
+        pytest.skip("this host's torch is a CUDA build")
+    config = {**tiny_config(), "device": "cuda"}
+    proc = snakemake(tmp_path, "--cores", "1", config=config)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert "parabench doctor:  FAIL  torch" in out and "nothing was started" in out
+    assert not (tmp_path / "results" / "runs").exists()
+    assert snakemake(tmp_path, "-n", "--cores", "1", config=config).returncode == 0
+
+
+def test_the_sweep_runs_the_doctor_before_its_first_cell(tmp_path):
+    if doctor.torch_build()[1] is not None:
+        pytest.skip("this host's torch is a CUDA build")
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(yaml.safe_dump({**tiny_config(), "device": "cuda"}))
+    cmd = [sys.executable, "-m", "parabench", "sweep", str(cfg)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path)
+    assert proc.returncode == 2
+    assert "doctor:  FAIL  torch" in proc.stdout
+    assert not (tmp_path / "results" / "runs").exists()
+
+
+def test_the_gpu_check_ends_listing_the_cuda_paths_it_ran(tmp_path):
+    """What one GPU ran and what needs more, read from the sweep's own tables."""
+    import pandas as pd
+
+    from parabench.sweep import cuda_paths
+
+    row = {"status": "ok", "device_type": "cuda", "precision": "bf16", "compile": False}
+    cells_csv = pd.DataFrame(
+        [
+            {**row, "strategy": "single", "devices": 1},
+            {**row, "strategy": "ddp", "devices": 1},
+            {**row, "strategy": "dp", "devices": 2, "status": "skipped"},
+        ]
+    )
+    cells_csv.to_csv(tmp_path / "cells.csv", index=False)
+    pd.DataFrame([{"op": "all_reduce", "devices": 1}]).to_csv(
+        tmp_path / "collectives.csv", index=False
+    )
+    pd.DataFrame([{"status": "ok"}]).to_csv(tmp_path / "ranks.csv", index=False)
+    lines = cuda_paths(tmp_path)
+
+    def status(what: str) -> str:
+        return next(x for x in lines if what in x)[2:9].strip()
+
+    assert status("torchrun agent, forked rank, NCCL group bound to its GPU") == "ran"
+    assert status("bf16 autocast on CUDA") == "ran"
+    assert status("collectives benchmark (NCCL) at [1] ranks") == "ran"
+    assert status("NCCL between GPUs: DDP, ZeRO-1, FSDP2, TP, pipeline") == "not run"
+    assert "needs 2 GPUs" in next(x for x in lines if "between GPUs" in x)
+    assert status("torch.compile on CUDA (Triton)") == "not run"
