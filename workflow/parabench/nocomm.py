@@ -70,6 +70,25 @@ class LocalGroup(dist.ProcessGroup):
     def group_name(self) -> str:
         return dist.distributed_c10d._world.pg_names[self]
 
+    # The backend torch asks a group for, on any device: this group itself. c10d
+    # registers no backend on a Python group, so the inherited `_get_backend` raises
+    # ("No backend type associated with device type cuda"), and torch asks on CUDA:
+    # new_group under a default group bound to a device (init_process_group's
+    # device_id=, as runtime.start on CUDA) reads `supports_splitting` off it, FSDP2's
+    # allocate-from-group reads `supports_tensor_alloc`. The flags below are those torch
+    # reads off a backend, each answered as a plain backend does: nothing to split,
+    # coalesce, estimate, shrink or allocate from, so torch takes its ordinary path.
+    def _get_backend(self, device: torch.device | str) -> LocalGroup:
+        return self
+
+    supports_splitting = False
+    supports_coalescing = False
+    supports_time_estimate = False
+    supports_shrinking = False
+
+    def supports_tensor_alloc(self, device: torch.device) -> bool:
+        return False
+
     # Reductions and broadcasts: this rank's values stand for the result.
     def allreduce(self, tensors, opts=None):
         self._count("all_reduce", tensors)

@@ -12,8 +12,13 @@ step. DDP at 4 ranks of the default mlp (benchmarks/launch_overhead.py): 16.5 s 
 Forking is safe because the agent runs no torch op before it forks and never starts
 CUDA: device counts go through NVML (PYTORCH_NVML_BASED_CUDA_CHECK), a device-type
 `--nproc-per-node` (gpu, auto) is left to plain torchrun, and a preload that initialised
-CUDA is refused. OpenMP's thread pool and the CUDA context are started by each rank,
-never inherited, and each rank sets its own threads and core binding (runtime.start).
+CUDA is refused. Where NVML cannot count the visible devices (MIG UUIDs in
+CUDA_VISIBLE_DEVICES, no libnvidia-ml), torch counts them with the CUDA runtime, which
+leaves every forked child unable to start CUDA ("Cannot re-initialize CUDA in forked
+subprocess"); if that count found devices, the ranks are started as torchrun starts
+them, new Pythons (a slower start, said in one line). OpenMP's thread pool and the CUDA
+context are started by each rank, never inherited, and each rank sets its own threads
+and core binding (runtime.start).
 Each rank restores the signal handlers a new Python has (the agent's raise
 SignalException), so a killed rank dies as torchrun's own ranks do.
 Everything else is torchrun's own code: its rendezvous rules (--standalone, a one-node
@@ -76,12 +81,44 @@ def _rank(*argv: str) -> None:
         raise SystemExit(code)
 
 
+def _cuda_counted_by_runtime() -> int:
+    """The CUDA devices torch counted in this process with the CUDA runtime
+    (torch._C._cuda_getDeviceCount), or 0 where NVML counted them or torch has no CUDA.
+    That call poisons fork: a forked child then refuses to start CUDA, while
+    is_initialized() stays False. With no device a child never starts CUDA, so a count
+    of 0 leaves forking safe (a CUDA build of torch on a host without GPUs)."""
+    if not torch.cuda._is_compiled():
+        return 0
+    # What torch.cuda.device_count() asks before the runtime (private helpers: if they
+    # move, take it that the runtime counted). Without PYTORCH_NVML_BASED_CUDA_CHECK=1,
+    # is_available() asks the runtime whatever NVML could say.
+    nvml_check = os.environ.get("PYTORCH_NVML_BASED_CUDA_CHECK") == "1"
+    name = "_device_count_amdsmi" if torch.version.hip else "_device_count_nvml"
+    count = getattr(torch.cuda, name, None)
+    if nvml_check and count is not None and count() >= 0:
+        return 0
+    # torchrun's LaunchConfig has asked already (is_available, device_count): asking
+    # again poisons nothing that was not.
+    return torch.cuda.device_count()
+
+
 def _forking(config_from_args: Callable) -> Callable:
     """torchrun's config_from_args, returning this module's forked rank as the
-    entrypoint once the agent has preloaded what the ranks import."""
+    entrypoint once the agent has preloaded what the ranks import; torchrun's own
+    entrypoint where a forked rank could not start CUDA."""
 
     def forked(args):
-        config, _, _ = config_from_args(args)  # its command is python's: -u -m parabench ...
+        config, python, python_args = config_from_args(args)  # python -u -m parabench ...
+        if devices := _cuda_counted_by_runtime():
+            print(
+                "parabench.torchrun: NVML cannot count the CUDA devices (CUDA_VISIBLE_DEVICES="
+                f"{os.environ.get('CUDA_VISIBLE_DEVICES')!r}); the CUDA runtime counted "
+                f"{devices}, after which a forked rank cannot start CUDA: each rank starts "
+                "as a new Python (a slower start)",
+                file=sys.stderr,
+                flush=True,
+            )
+            return config, python, python_args
         command = list(args.training_script_args)
         cli.preload(command)
         if torch.cuda.is_initialized():  # a forked child cannot use its parent's context

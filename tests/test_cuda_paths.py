@@ -1,0 +1,241 @@
+"""CUDA-only paths, checked on a CPU build: what a CUDA run does differently is
+reproduced here by hand (a world bound to a CUDA device, a device count NVML cannot
+give, a worker thread's own autocast dtype), so that each test fails if its fix
+regresses, with no GPU.
+
+Process groups and torchrun's agent run in subprocesses: none is opened in pytest's
+own process."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import textwrap
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from conftest import REPO, cell_argv, tiny_spec
+from parabench.models import build
+from parabench.runtime import Context
+from parabench.strategies import get
+
+TESTS = Path(__file__).resolve().parent
+
+
+def _python(script: str, *args: str, env: dict | None = None, timeout: float = 180):
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(script), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=REPO,
+        env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+    )
+
+
+# --- 1. The no-communication group under a world bound to a CUDA device --------------
+
+# One rank of a ddp cell: runtime.start's own group set-up, with the world bound to
+# cuda:LOCAL_RANK as init_process_group(device_id=...) binds it on CUDA (this CPU build
+# refuses a CUDA device_id, so the binding is set by hand, right after the real call),
+# then collectives over the no-communication group on CPU tensors.
+RANK_SCRIPT = """
+import os, sys
+import torch
+import torch.distributed as dist
+sys.path.insert(0, {tests!r})
+from conftest import tiny_spec
+from parabench import cli, runtime
+
+real_init = dist.init_process_group
+
+def bound_init(*args, device_id=None, **kwargs):
+    real_init(*args, **kwargs)
+    dist.group.WORLD.bound_device_id = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+
+dist.init_process_group = bound_init
+n = int(os.environ["WORLD_SIZE"])
+ctx = runtime.start(tiny_spec("ddp", n))
+assert dist.group.WORLD.bound_device_id == torch.device("cuda", ctx.local_rank)
+group, r = ctx.local, ctx.rank
+# Asked for its backend on CUDA, as torch does of a device-bound group: itself, with
+# nothing to split or allocate.
+backend = group._get_backend(torch.device("cuda", ctx.local_rank))
+assert backend is group and not backend.supports_splitting
+assert not backend.supports_tensor_alloc(torch.device("cuda", ctx.local_rank))
+
+t = torch.full((3,), float(r + 1))
+dist.all_reduce(t, group=group)  # this rank's values stand for the sum
+assert t.tolist() == [r + 1.0] * 3, t
+gathered = torch.zeros(2 * n)
+dist.all_gather_into_tensor(gathered, torch.tensor([r, 10.0 + r]), group=group)
+assert gathered.tolist() == [r, 10.0 + r] * n, gathered  # its shard in every slot
+chunk = torch.zeros(2)
+dist.reduce_scatter_tensor(chunk, torch.arange(2.0 * n) + 100 * r, group=group)
+assert chunk.tolist() == [100.0 * r + 2 * r, 100.0 * r + 2 * r + 1], chunk  # its own chunk
+
+t = torch.ones(1)
+dist.all_reduce(t, group=ctx.group)  # the real group still communicates
+assert t.item() == n, t
+# A barrier over a bound world allocates on its device, which this build has not.
+dist.group.WORLD.bound_device_id = None
+runtime.finish(ctx)
+runtime.stop(ctx)
+print(f"rank {{r}} ok")
+# As a rank of a cell ends (cli.main): an interpreter's teardown after a Python process
+# group can die in C++ ("terminate called without an active exception").
+cli.exit_now(0)
+"""
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_nocomm_group_works_in_a_world_bound_to_a_cuda_device(tmp_path, ranks):
+    script = tmp_path / "rank.py"
+    script.write_text(RANK_SCRIPT.format(tests=str(TESTS)))
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nnodes",
+            "1",
+            "--nproc-per-node",
+            str(ranks),
+            str(script),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        cwd=REPO,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    # Each rank's exception, not the agent's report of it (torchrun prefixes [rankN]:).
+    causes = [ln for ln in proc.stderr.splitlines() if re.match(r"\[rank\d+\]: \w+Error", ln)]
+    assert proc.returncode == 0, "\n".join(causes) or proc.stderr[-3000:]
+    for r in range(ranks):
+        assert f"rank {r} ok" in proc.stdout
+
+
+# --- 2. Our torchrun where NVML cannot count the GPUs ---------------------------------
+
+# The agent: `parabench.torchrun` of a 2-rank ddp cell on CPU, on a host where NVML
+# cannot count the devices (a MIG UUID in CUDA_VISIBLE_DEVICES) and the CUDA runtime
+# counts DEVICES. The runtime's count is a spy: it records each call with its pid, as
+# os.fork records each fork of the agent. Setting torch._C._cuda_getDeviceCount makes
+# torch.cuda._is_compiled() true, and some modules then import other torch._C._cuda_*
+# functions, which this build lacks: what the ranks import is imported first, as the
+# CPU build it is (the agent's preload then finds it done). A forked rank drops the spy:
+# there a CUDA build's runtime would refuse to start, which the test reads from the
+# agent's record instead, and a rank that believed in a device would call CUDA
+# functions this build does not have.
+AGENT_SCRIPT = """
+import os, sys
+import torch
+import torch._dynamo
+from parabench import cell, strategies
+strategies.get("ddp")
+
+log, devices, argv = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
+
+def note(event):
+    with open(log, "a") as f:
+        f.write(f"{event} {os.getpid()}\\n")
+
+def spy():
+    note("count")
+    return devices
+
+note("agent")
+torch._C._cuda_getDeviceCount = spy
+os.register_at_fork(
+    before=lambda: note("fork"),
+    after_in_child=lambda: delattr(torch._C, "_cuda_getDeviceCount"),
+)
+from parabench import torchrun
+torchrun.main(argv)
+"""
+
+MIG = "MIG-8c2f1b3e-5d4a-5e6f-9a0b-1c2d3e4f5a6b"
+
+
+def _agent(tmp_path: Path, devices: int) -> tuple[subprocess.CompletedProcess, list, Path]:
+    spec = tiny_spec("ddp", 2)
+    out = tmp_path / "cell"
+    argv = cell_argv(spec, out)
+    assert argv[1:3] == ["-m", "parabench.torchrun"]
+    log = tmp_path / "events.txt"
+    proc = _python(
+        AGENT_SCRIPT,
+        str(log),
+        str(devices),
+        *argv[3:],
+        env={"CUDA_VISIBLE_DEVICES": MIG},
+    )
+    events = [tuple(line.split()) for line in log.read_text().splitlines()]
+    return proc, events, out
+
+
+def _cell_ok(proc: subprocess.CompletedProcess, out: Path) -> None:
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    meta = json.loads((out / "meta.json").read_text())
+    assert meta["status"] == "ok", meta
+
+
+def test_torchrun_does_not_fork_after_the_cuda_runtime_counted_devices(tmp_path):
+    proc, events, out = _agent(tmp_path, devices=1)
+    _cell_ok(proc, out)
+    agent = events[0][1]
+    mine = [event for event, pid in events if pid == agent]
+    assert "count" in mine  # NVML could not count: torchrun asked the runtime
+    # Forked only if the runtime was never asked before: here, started as new Pythons.
+    forks = [i for i, event in enumerate(mine) if event == "fork"]
+    assert not forks or "count" not in mine[: forks[0]], f"agent's events: {mine}"
+    assert "each rank starts as a new Python" in proc.stderr
+
+
+def test_torchrun_still_forks_when_the_cuda_runtime_found_no_device(tmp_path):
+    # A CUDA build of torch on a host without GPUs (or driver): the runtime's count
+    # poisons fork, but a rank with no device never starts CUDA. The fast start stays.
+    proc, events, out = _agent(tmp_path, devices=0)
+    _cell_ok(proc, out)
+    agent = events[0][1]
+    assert [event for event, pid in events if pid == agent].count("fork") == 2
+    assert "new Python" not in proc.stderr
+
+
+# --- 3. DataParallel's replicas under bf16 --------------------------------------------
+
+
+def test_dataparallel_replicas_compute_in_bf16_in_their_own_threads():
+    spec = tiny_spec("dp", 1, precision="bf16")
+    ctx = Context(0, 1, 0, torch.device("cpu"), 1, False)
+    strategy = get("dp")(build(spec.model, 0), spec, ctx)
+    replica = strategy.module.module  # what parallel_apply runs in each worker thread
+    first = next(m for m in replica.modules() if isinstance(m, nn.Linear))
+    dtypes: list[torch.dtype] = []
+    first.register_forward_hook(lambda m, inputs, output: dtypes.append(output.dtype))
+    x = torch.randn(4, 48)
+
+    def worker() -> None:
+        # parallel_apply's worker on CUDA: a new thread, whose autocast dtype is the
+        # device's default (fp16 for CUDA; set here for the CPU standing in for it),
+        # enters autocast with the caller's enabled flag and no dtype.
+        torch.set_autocast_dtype("cpu", torch.float16)
+        with torch.amp.autocast("cpu", enabled=True):
+            replica(x)
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    thread.join()
+    assert dtypes == [torch.bfloat16]
+    # Parameter names as in the unwrapped model, which the equivalence check compares.
+    names = set(strategy.full_state())
+    assert names == {k for k, _ in build(spec.model, 0).module.named_parameters()}
