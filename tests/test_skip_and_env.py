@@ -15,7 +15,7 @@ from parabench.runtime import Context
 from parabench.strategies import get
 
 
-def ctx(device: str, rank: int = 0, world: int = 1) -> Context:
+def ctx(device: str, rank: int = 0, world: int = 1, local_world: int = 1) -> Context:
     return Context(
         rank=rank,
         world_size=world,
@@ -23,6 +23,7 @@ def ctx(device: str, rank: int = 0, world: int = 1) -> Context:
         device=torch.device(device),
         threads=1,
         distributed=world > 1,
+        local_world=local_world,
     )
 
 
@@ -41,8 +42,10 @@ def test_cuda_paths_skip_when_too_few_gpus_are_visible():
     for name in ("dp", "model_parallel"):
         reason = get(name).skip_reason(tiny_spec(name, n, device="cuda"), ctx("cuda:0"))
         assert reason is not None and f"{have} visible" in reason, name
+    # A rank needs one device per rank on its host: n ranks of one host here (a rank
+    # measured alone, local_world 1, needs only its own: test_gpu_accounting.py).
     reason = get("pipeline").skip_reason(
-        tiny_spec("pipeline", n, device="cuda"), ctx("cuda:0", rank=have, world=n)
+        tiny_spec("pipeline", n, device="cuda"), ctx("cuda:0", rank=have, world=n, local_world=n)
     )
     assert reason is not None and f"{have} visible" in reason
 

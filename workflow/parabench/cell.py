@@ -7,11 +7,14 @@ rank 0, atomically, meta.json last.
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import io
 import math
 import os
 import time
 import traceback
+import types
 from pathlib import Path
 
 import torch
@@ -65,7 +68,7 @@ def run_cell(spec: RunSpec, out: Path) -> int:
             if ctx.is_main:
                 records.write_outcome(out, "skipped", reason, **spec.record_fields(), **common)
             return 0
-        check_fits(spec, world)
+        check_fits(spec, world, copies=2 if needs_spare(spec, ctx) else 1)
         _run(spec, ctx, out, common, t_start)
         runtime.finish(ctx)
         return 0
@@ -99,23 +102,26 @@ def _bytes(n: float) -> str:
     return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
-def check_fits(spec: RunSpec, world: int) -> None:
+def check_fits(spec: RunSpec, world: int, copies: int = 1) -> None:
     """Refuse, before allocating, a model whose parameters alone cannot be held by this
-    host's processes (every rank builds the whole model on the host first). Linux
-    overcommits: without this check an absurd size is found by the OOM killer, whose
-    SIGKILL says nothing about the model, or not at all."""
+    host's processes (every rank builds the whole model on the host first, and copies it
+    there, `copies` in all, where the cell needs a spare: Spare). Linux overcommits:
+    without this check an absurd size is found by the OOM killer, whose SIGKILL says
+    nothing about the model, or not at all."""
     if spec.model.arch == "custom":  # it was built once already, when the run was checked
         return
     with torch.device("meta"):
         n_params = sum(p.numel() for p in build(spec.model, spec.seed).module.parameters())
     local = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
-    need = n_params * 4 * local  # fp32 parameters, one copy per process on this host
+    need = n_params * 4 * local * copies  # fp32 parameters, per process on this host
     free = envinfo.available_memory()
     if free is not None and need > free:
+        held = f"{copies} copies in each of" if copies > 1 else "across"
         raise ModelMemoryError(
             f"model '{spec.model_name}' has {n_params:,} parameters: {_bytes(need)} in fp32 "
-            f"across this host's {local} process(es) before any gradient or activation, and "
-            f"the host has {_bytes(free)} available; reduce models.{spec.model_name}'s sizes"
+            f"({held} this host's {local} process(es)) before any gradient or activation, "
+            f"and the host has {_bytes(free)} available; reduce models.{spec.model_name}'s "
+            "sizes"
         )
 
 
@@ -176,12 +182,91 @@ def batch_source(model: Model, spec: RunSpec, strategy: Strategy):
     return SyntheticBatches(*args)
 
 
-def reorder_spread(spec: RunSpec, ctx: runtime.Context, reference: dict) -> dict:
+def _rebound(value, memo: dict):
+    """A deep copy of one of a Model's fields that refers to the copied module where the
+    original referred to the original: copy.deepcopy copies a function as itself, so a
+    loss or batch closure over the module (a user's auxiliary loss read off it) would
+    still use the original's parameters. What cannot be copied (a Python module a
+    closure imported) is shared, as deepcopy shares a whole function."""
+    if id(value) in memo:
+        return memo[id(value)]
+    if isinstance(value, types.MethodType):
+        out = types.MethodType(_rebound(value.__func__, memo), _rebound(value.__self__, memo))
+    elif isinstance(value, types.FunctionType) and value.__closure__:
+        cells = tuple(types.CellType() for _ in value.__closure__)
+        out = types.FunctionType(
+            value.__code__, value.__globals__, value.__name__, value.__defaults__, cells
+        )
+        out.__kwdefaults__, out.__qualname__ = value.__kwdefaults__, value.__qualname__
+        out.__dict__.update(value.__dict__)
+        memo[id(value)] = out  # before its cells: a closure may refer to itself
+        for new, old in zip(cells, value.__closure__, strict=True):
+            try:
+                contents = old.cell_contents
+            except ValueError:  # an empty cell (a name not yet bound)
+                continue
+            new.cell_contents = _rebound(contents, memo)
+    else:
+        try:
+            out = copy.deepcopy(value, memo)
+        except Exception:
+            out = value
+    memo[id(value)] = out
+    return out
+
+
+def copy_model(model: Model) -> Model | None:
+    """A copy of a model as built, every parameter and buffer equal to the original's,
+    or None where it cannot be deep-copied (a user's module holding a lock, a
+    generator, an open file)."""
+    memo: dict = {}
+    try:
+        module = copy.deepcopy(model.module, memo)
+        fields = {
+            f.name: _rebound(getattr(model, f.name), memo)
+            for f in dataclasses.fields(model)
+            if f.name != "module"
+        }
+        return dataclasses.replace(model, module=module, **fields)
+    except Exception:
+        return None
+
+
+class Spare:
+    """The second copy of the model a cell needs: the no-communication check's (a cell
+    with a process group) or the reference's reorder run (`single`), never both. A copy
+    of the one model the cell built, taken before its strategy wrapped, sharded, placed
+    or compiled it, held on the CPU until handed over once (`take`): a 7B model takes
+    minutes to build, seconds to copy. Where the model cannot be copied, `take` builds
+    one from the factory, as the copy would be."""
+
+    def __init__(self, spec: RunSpec, model: Model) -> None:
+        self.spec = spec
+        self.rng = torch.get_rng_state()  # where the build's draws left the generator
+        self._model = copy_model(model)
+
+    def take(self) -> Model:
+        """The copy, and torch's generators as the build left them (a build seeds them,
+        then draws its weights); nothing here keeps the copy alive afterwards."""
+        model, self._model = self._model, None
+        if model is None:
+            return build(self.spec.model, self.spec.seed)
+        torch.manual_seed(self.spec.seed)  # every device's generator, as build seeds it
+        torch.set_rng_state(self.rng)
+        return model
+
+
+def needs_spare(spec: RunSpec, ctx: runtime.Context) -> bool:
+    """Whether the cell runs a second copy of its model (Spare)."""
+    return ctx.distributed or spec.is_reference
+
+
+def reorder_spread(spec: RunSpec, ctx: runtime.Context, reference: dict, spare: Spare) -> dict:
     """Train `single` once more from the same weights on the same batches, each batch's
     samples in reverse order: the same maths summed in another order. Its distance from
     the timed run is the rounding floor the equivalence tolerance is built on (see
     equivalence.py). Eager even when the cell compiles, to spare a second compilation."""
-    model = build(spec.model, spec.seed)
+    model = spare.take()
     initial = cpu_params(model.module)
     replica = strategies.get(spec.strategy)(model, spec, ctx)
     batches = batch_source(model, spec, replica)
@@ -204,17 +289,21 @@ NOCOMM_STEPS = 12
 
 
 def _without_comm(
-    spec: RunSpec, ctx: runtime.Context, kinds: list[str], physical: list[torch.device]
+    spec: RunSpec,
+    ctx: runtime.Context,
+    kinds: list[str],
+    physical: list[torch.device],
+    spare: Spare | None,
 ) -> Silent | None:
-    """The no-communication check of a cell; none for a cell with no process group (no
-    communication to switch off)."""
+    """The no-communication check of a cell, on the cell's spare copy of its model; none
+    for a cell with no process group (no communication to switch off)."""
     if not ctx.distributed:
         return None
 
     def build_silent() -> tuple[Strategy, object]:
         # CUDA's high-water mark so far is the real strategy's alone
         check.peak_before = profiling.high_water(physical)
-        model = build(spec.model, spec.seed)
+        model = spare.take()
         silent = strategies.build(model, spec, ctx.without_comm())
         return silent, batch_source(model, spec, silent)
 
@@ -224,11 +313,23 @@ def _without_comm(
     return check
 
 
+def _drop_silent(silent: Silent, physical: list[torch.device]) -> int | None:
+    """Drop the no-communication check's copy of the model and free it now, so that the
+    high-water mark reset next starts without it; the mark from before it was built."""
+    silent.pair = None
+    profiling.release(physical)
+    return silent.peak_before
+
+
 def _timed(spec: RunSpec, ctx: runtime.Context, out: Path, t_start: float, host: str) -> dict:
     """The plan's steps (warm-up, timed, profiled) with the no-communication blocks
     between them, then the counted step: this rank's figures, and the cell's parameters
-    after every step of the plan."""
+    after every step of the plan; the reference's spare copy of its model, for
+    reorder_spread."""
+    # The cell's one build (check_fits' on the meta device aside): a second copy, where
+    # the cell needs one, is copied from it before the strategy changes it.
     model = build(spec.model, spec.seed)
+    spare = Spare(spec, model) if needs_spare(spec, ctx) else None
     strategy = strategies.build(model, spec, ctx)
     batches = batch_source(model, spec, strategy)
 
@@ -240,13 +341,13 @@ def _timed(spec: RunSpec, ctx: runtime.Context, out: Path, t_start: float, host:
     fault = faults.for_cell(spec.model_name, spec.strategy, spec.devices, spec.repeat, ctx.rank)
     steps = plan(spec.steps, spec.warmup, spec.profile_steps)
     profiler = profiling.StepProfiler(ctx)
-    silent = _without_comm(spec, ctx, steps, physical)
+    silent = _without_comm(spec, ctx, steps, physical, spare)
     measured = measure(strategy, batches, steps, fault, profiler, silent)
     earlier = None
     if silent is not None:
         # The check's copy of the model goes: the counted step's memory is the real
         # strategy's alone, with the high-water mark from before the copy existed.
-        silent.pair, earlier = None, silent.peak_before
+        earlier = _drop_silent(silent, physical)
         profiling.reset_high_water(physical)
 
     held = strategy.held_bytes()  # between steps: what the rank keeps, not transients
@@ -266,6 +367,7 @@ def _timed(spec: RunSpec, ctx: runtime.Context, out: Path, t_start: float, host:
         "stage_cuts": strategy.stage_cuts,
         "peak_device": peak_device,
         "setup_s": setup_s,
+        "spare": spare if spec.is_reference else None,
         "rank": {
             "peak_memory": profiling.peak_memory(physical, held, counted, earlier),
             "peak_flops": peak_device * len(physical),
@@ -277,6 +379,7 @@ def _timed(spec: RunSpec, ctx: runtime.Context, out: Path, t_start: float, host:
                 spec.record.pipelined,
                 k,
                 mates,
+                device_type=ctx.device.type,  # a CUDA trace without kernels is flagged
             ),
             "regions": profiler.regions,
             "comm": anatomy.volume(counted, spec.record.wire_bytes(spec.precision)),
@@ -307,7 +410,7 @@ def _run(spec: RunSpec, ctx: runtime.Context, out: Path, common: dict, t_start: 
         return
     reference = {}
     if spec.is_reference:
-        reference = reorder_spread(spec, ctx, state)
+        reference = reorder_spread(spec, ctx, state, timed.pop("spare"))
 
     rows = []  # the timed steps (warm-up included), by their place in the plan
     for i, (step, phase) in enumerate(zip(measured.steps, measured.phases, strict=True)):

@@ -20,12 +20,13 @@ optimizer state, counted from the tensors; the previous gradients are freed by
 zero_grad before anything is allocated) plus the peak of the bytes the step itself
 had allocated and not yet freed. On CUDA the allocator's high-water mark says it: over
 the plan's steps until the no-communication check's copy of the model is built (loop.
-Silent), and over the counted step, after that copy is gone.
+Silent), and over the counted step, after that copy is gone (collected: `release`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import gc
 import gzip
 import json
 import os
@@ -169,6 +170,16 @@ def high_water(devices: list[torch.device]) -> int | None:
     """The CUDA allocator's high-water mark, max over these devices (None on CPU)."""
     cuda = [d for d in devices if d.type == "cuda"]
     return max(torch.cuda.max_memory_allocated(d) for d in cuda) if cuda else None
+
+
+def release(devices: list[torch.device]) -> None:
+    """Free now what nothing references any more, and give CUDA's cached blocks back: a
+    dropped copy of a model often lives on in reference cycles (a block holding its
+    compiled forward, bound to the block; FSDP's state; autograd graphs) until a
+    collection, and the memory read next would still count it."""
+    gc.collect()
+    if any(d.type == "cuda" for d in devices):
+        torch.cuda.empty_cache()
 
 
 def reset_high_water(devices: list[torch.device]) -> None:

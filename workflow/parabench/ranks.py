@@ -24,7 +24,6 @@ why. `parabench plan` measures ranks at world sizes no one here has (plan.py).
 
 from __future__ import annotations
 
-import gc
 import json
 import statistics
 import time
@@ -57,19 +56,24 @@ def rank_of(spec: RunSpec, threads: int, rank: int = 0) -> dict:
     (see the module's docstring)."""
     world = spec.devices
     device = torch.device(runtime.resolve_device_type(spec.device))
+    if device.type == "cuda":
+        # The rank drives the first device it sees (the job asks for one), made current
+        # before any device mesh is built: a mesh otherwise picks cuda:<rank % count>.
+        device = torch.device("cuda", 0)
     # One process measures every rank: the last one's leftovers, freed inside this one's
     # counted step, would lower its peak (CPU) or raise it (CUDA's high-water mark).
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
+    profiling.release([device])
+    if device.type == "cuda" and torch.cuda.is_available():  # else skipped: none visible
+        torch.cuda.set_device(device)
+        profiling.reset_high_water([device])
     dist.init_process_group(nocomm.BACKEND, store=dist.HashStore(), rank=rank, world_size=world)
     torch.set_num_threads(threads)
     try:
         group = dist.group.WORLD
         group.alone = True  # no peer will ever send (nocomm.py)
         cores = envinfo.usable_cores()
-        ctx = runtime.Context(rank, world, rank, device, threads, True, 1, (), cores, group, group)
+        # Alone on its host: local rank 0 of 1, so it needs the one device it drives.
+        ctx = runtime.Context(rank, world, 0, device, threads, True, 1, (), cores, group, group)
         if reason := strategies.get(spec.strategy).skip_reason(spec, ctx):
             return {"status": "skipped", "reason": reason}
         model = build(spec.model, spec.seed)

@@ -39,13 +39,25 @@ class Strategy(ABC):
     stage_cuts: list[tuple[int, int]] | None = None
 
     @classmethod
+    def cuda_devices_needed(cls, spec: RunSpec, ctx: Context) -> int:
+        """The CUDA devices this process must see: those it drives (all n of a
+        one-process strategy such as dp or model_parallel, one for a rank) times the
+        processes on its host (ctx.local_world), since local rank r drives cuda:r. Every
+        rank of a host needs the same count, so they skip together; a rank measured
+        alone (ranks.py, plan.py) needs one."""
+        return spec.devices // spec.ranks * ctx.local_world
+
+    @classmethod
     def skip_reason(cls, spec: RunSpec, ctx: Context) -> str | None:
         """Why this cell cannot give an honest number on this machine, or None."""
         if ctx.device.type != "cuda":
             return None
-        per_node, have = spec.devices // spec.nodes, torch.cuda.device_count()
-        if have < per_node:
-            return f"{spec.devices} devices need {per_node} CUDA devices per node; {have} visible"
+        need, have = cls.cuda_devices_needed(spec, ctx), torch.cuda.device_count()
+        if have < need:
+            return (
+                f"{spec.strategy} at {spec.devices} devices needs {need} CUDA devices on this "
+                f"host ({ctx.local_world} process(es) there); {have} visible"
+            )
         if spec.precision == "bf16" and not torch.cuda.is_bf16_supported():
             return f"precision bf16: {torch.cuda.get_device_name()} has no bfloat16 support"
         return None
