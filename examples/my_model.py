@@ -1,11 +1,12 @@
-"""A custom model for parabench: copy this file next to your config, change the model,
-and point the config at its factory.
+"""A custom model for parabench: copy this file into the directory you run parabench
+or snakemake from (the working directory, which is not necessarily where the config
+file is), change the model, and point the config at its factory.
 
     models:
       mine:
         arch: custom
-        factory: "my_model:build"          # module:function, found on the working
-        args: {width: 256, depth: 4}       # directory or PYTHONPATH; args -> kwargs
+        factory: "my_model:build"          # module:function: this file, in the working
+        args: {width: 256, depth: 4}       # directory or the entry's `path`; args -> kwargs
         batch_size: 256
 
 The factory is plain PyTorch and returns a dict:

@@ -11,6 +11,8 @@ import torch
 from conftest import REPO
 from parabench import records
 from parabench.aggregate import aggregate
+from parabench.flops import model_facts
+from parabench.models import build
 from parabench.report import render
 from parabench.spec import ModelSpec, RunSpec
 
@@ -103,6 +105,8 @@ def make_results(
                 _params(0.0 if strategy != "ddp" else DDP_OFFSET),
                 **fields,
                 **reference,
+                # as a cell records its model: what the merge reads instead of building it
+                model_facts=model_facts(build(spec.model, 0), spec.global_batch),
                 held_bytes_per_rank=[held] * ranks,
                 env=env,
                 device_type="cpu",

@@ -19,34 +19,33 @@ from parabench import cell, models
 from parabench.spec import ModelSpec
 
 TESTS = Path(__file__).resolve().parent
+EXAMPLES = REPO / "examples"  # the custom factories' files, named by their `path`
 
 KINDS = {
     "mlp": TINY_MLP,
     "seqnet": ModelSpec.of("seqnet", dims=[12, 8, 4]),
     "resmlp": ModelSpec.of("resmlp", d_in=8, width=8, depth=2, classes=3),
     "gpt": ModelSpec.of("gpt", vocab=32, seq_len=8, n_layer=2, n_head=2, d_model=16),
-    "my_model:build": ModelSpec.of("custom", factory="my_model:build", args={"width": 8}),
+    "my_model:build": ModelSpec.of(
+        "custom", factory="my_model:build", args={"width": 8}, path=str(EXAMPLES)
+    ),
     "my_model:build batchnorm": ModelSpec.of(
-        "custom", factory="my_model:build", args={"width": 8, "batchnorm": True}
+        "custom",
+        factory="my_model:build",
+        args={"width": 8, "batchnorm": True},
+        path=str(EXAMPLES),
     ),
     "my_model:build_module": ModelSpec.of(
-        "custom", factory="my_model:build_module", args={"width": 8, "depth": 2}
+        "custom", factory="my_model:build_module", args={"width": 8, "depth": 2}, path=str(EXAMPLES)
     ),
-    "counted_model:build": ModelSpec.of("custom", factory="counted_model:build"),
+    "counted_model:build": ModelSpec.of("custom", factory="counted_model:build", path=str(TESTS)),
     "hf llama": ModelSpec.of(**{k: v for k, v in LLAMA.items() if k != "batch_size"}),
     "hf gpt2": ModelSpec.of(**{k: v for k, v in GPT2.items() if k != "batch_size"}),
 }
 
 
-@pytest.fixture
-def importable(monkeypatch):
-    """The custom factories (examples/my_model.py, tests/counted_model.py) on the path."""
-    monkeypatch.syspath_prepend(str(REPO / "examples"))
-    monkeypatch.syspath_prepend(str(TESTS))
-
-
 @pytest.mark.parametrize("kind", list(KINDS))
-def test_the_copy_is_the_model_as_built_and_apart_from_it(kind, importable):
+def test_the_copy_is_the_model_as_built_and_apart_from_it(kind):
     spec = KINDS[kind]
     if spec.arch == "hf":
         pytest.importorskip("transformers")
@@ -143,8 +142,10 @@ def test_a_cell_builds_its_model_once(strategy, tmp_path):
 
 @pytest.mark.parametrize("strategy,devices", [("ddp", 2), ("single", 1)])
 def test_every_process_builds_a_custom_model_once(strategy, devices, tmp_path):
-    # The factory counts its calls per process. Planning's check of a custom model
-    # (models.facts) builds it too, seeded 0; the cell's own builds are seeded 1.
+    """The factory counts its calls per process. The cell's check of its settings
+    (checks.problems, as planning's) calls it on fake tensors, which allocate nothing;
+    the cell's own build is the one real build in each process, and nothing else there
+    builds it again (not the FLOPs counted for its record, not check_fits)."""
     builds = tmp_path / "builds.txt"
     spec = tiny_spec(
         strategy,
@@ -158,16 +159,18 @@ def test_every_process_builds_a_custom_model_once(strategy, devices, tmp_path):
         seed=1,
     )
     out = tmp_path / "cell"
-    path = os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])
     proc = subprocess.run(
         cell_argv(spec, out),
         capture_output=True,
         text=True,
         timeout=300,
-        env={**os.environ, "PARABENCH_TEST_BUILDS": str(builds), "PYTHONPATH": path},
+        env={**os.environ, "PARABENCH_TEST_BUILDS": str(builds)},
     )
     meta = json.loads((out / "meta.json").read_text())
     assert meta["status"] == "ok", (meta.get("reason"), proc.stderr[-3000:])
     lines = [line.split() for line in builds.read_text().splitlines()]
-    cells = Counter(pid for pid, seed, device in lines if seed == "1" and device == "cpu")
-    assert len(cells) == devices and set(cells.values()) == {1}, lines
+    real = Counter(pid for pid, _seed, kind in lines if kind != "fake")
+    assert len(real) == devices and set(real.values()) == {1}, lines
+    # ... and it is the cell's own, seeded with the cell's seed
+    assert {seed for _pid, seed, kind in lines if kind != "fake"} == {"1"}, lines
+    assert meta["model_facts"]["params"] == 3 * (16 * 16 + 16)  # counted, not built again

@@ -1,15 +1,18 @@
-"""A user's own model through the real pipeline: examples/my_model.py copied next to a
-config, as a user would, at single, ddp n=2 and pipeline n=2; the same model with
+"""A user's own model through the real pipeline: examples/my_model.py copied into the
+working directory, as a user would, at single, ddp n=2 and pipeline n=2; the same model with
 BatchNorm, whose maths really changes under data parallelism, reported as differing
 with its cause; a plain nn.Module with a ModuleList of blocks (a forward of its own)
-under every strategy that can take it unchanged; and a broken factory refused before
-any job."""
+under every strategy that can take it unchanged; a factory that reads a value while
+it builds, planned and run; and a broken factory refused before any job."""
 
 import json
 
 import pytest
+from test_plans_without_building import READS_VALUES
 
-from conftest import OWN_MODELS, planned_outputs, snakemake
+from conftest import OWN_MODELS, planned_outputs, run_cell, snakemake, tiny_spec
+from parabench.checks import problems
+from parabench.spec import ModelSpec
 
 pytestmark = pytest.mark.slow
 
@@ -74,3 +77,15 @@ def test_a_broken_factory_stops_the_plan_before_any_job(tmp_path):
     assert "models.mine.factory: returned list, not dict(blocks=" in proc.stdout + proc.stderr
     assert not planned_outputs(proc)
     assert not (tmp_path / "results").exists()
+
+
+def test_a_factory_that_reads_a_value_while_building_plans_and_runs(tmp_path):
+    """`w /= w.std().item()` at init: fake tensors have no value to read, the real build
+    has; planning takes it and the cell trains it."""
+    (tmp_path / "reads.py").write_text(READS_VALUES)
+    model = ModelSpec.of("custom", factory="reads:build", args={"how": "scale"}, path=str(tmp_path))
+    spec = tiny_spec("single", 1, model=model, model_name="reads", batch_size=16)
+    assert problems(spec) == []
+    meta, proc = run_cell(spec, tmp_path / "cell")
+    assert meta["status"] == "ok", (meta.get("reason"), proc.stderr[-3000:])
+    assert meta["model_facts"]["params"] == 3 * (8 * 8 + 8) + (8 * 2 + 2)

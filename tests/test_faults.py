@@ -136,7 +136,9 @@ def test_malformed_fault_spec_is_refused(tmp_path):
 
 
 TINY_RES = ModelSpec.of("resmlp", d_in=32, width=64, depth=2, classes=10)
-MINE = ModelSpec.of("custom", factory="my_model:build", args={"width": 32, "depth": 4})
+MINE = ModelSpec.of(
+    "custom", factory="my_model:build", args={"width": 32, "depth": 4}, path=str(REPO / "examples")
+)
 CELL_TIMEOUT = 120
 
 
@@ -172,7 +174,6 @@ def test_faults_in_the_sharded_strategies_and_a_custom_model_end_recorded(
         spec,
         f"{kind}@{model}/{strategy}/n2/r0:rank=1:step=2",
         cell_timeout=CELL_TIMEOUT,
-        env={"PYTHONPATH": f"{REPO / 'examples'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"},
     )
     print(
         f"\nfault {kind} in {strategy}: failed after {elapsed:.1f} s "

@@ -12,13 +12,18 @@ efficiency = speedup / n. Every column is described in records.SUMMARY_COLUMNS.
 
 Any mix of outcomes merges: every cell failed or skipped, no `single`, one model
 entirely failed. Figures that need a cell that did not run are left empty.
+
+Results are data, never code: what the merge needs of a model (FLOPs per step,
+parameters, activation bytes, the layers whose maths changes under a split) is what
+each cell recorded of the model it built (meta.json's `model_facts`, flops.py). No
+model is imported or built here and no factory called, whatever a meta.json names.
 """
 
 from __future__ import annotations
 
 import csv
-import functools
 import json
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -27,12 +32,9 @@ import torch
 
 from parabench import anatomy, collectives, crosscheck, equivalence, records, scaling, stats
 from parabench.catalog import REFERENCE, record
-from parabench.flops import activation_bytes_per_sample, step_flops
 from parabench.loop import plan, sessions
-from parabench.models import build
-from parabench.models.base import maths_notes
 from parabench.records import CELL_KEYS, SUMMARY_COLUMNS, SUMMARY_KEYS, VARIANT_KEYS
-from parabench.spec import ModelSpec, RunSpec
+from parabench.spec import RunSpec
 
 # Filled from the ok cells only; NaN where none ran.
 _OK_COLUMNS = (
@@ -108,11 +110,33 @@ def _held(meta: dict, kind: str) -> float:
     return max((r[kind] for r in per_rank), default=np.nan)
 
 
-def _cell_row(meta_path: Path, meta: dict) -> tuple[dict, pd.DataFrame | None]:
+# Columns of a cell kept in memory only (dropped before cells.csv): what the summary's
+# memory model and the equivalence's likely cause read from the cell's model facts.
+_IN_MEMORY = ("hosts", "timed_window", "model_params", "activation_bytes_per_sample", "notes")
+
+
+def _number(value) -> float:
+    """A recorded figure, NaN where the cell could not count it (None) or a record
+    carries none."""
+    return np.nan if value is None else float(value)
+
+
+def _cell_row(
+    meta_path: Path, meta: dict, config_hash: str | None = None
+) -> tuple[dict, pd.DataFrame | None]:
     try:
         spec = RunSpec.from_dict(meta["spec"])
     except (KeyError, TypeError, ValueError) as e:
         raise records.ResultsError(f"{meta_path}: unreadable cell settings ({e})") from e
+    # Its settings, hashed here rather than read from the record, against the config's
+    # cell of that directory: a record made for other settings is not this run's.
+    if config_hash is not None and spec.config_hash() != config_hash:
+        raise records.ResultsError(
+            f"{meta_path}: recorded with settings other than the config's for this cell "
+            f"(settings hash {spec.config_hash()}, the config's {config_hash}); rerun the "
+            "cell (delete its directory) or merge it with the config it was run with"
+        )
+    facts = meta.get("model_facts") or {}
     row = {k: meta[k] for k in CELL_KEYS}
     row.update(
         {
@@ -145,7 +169,10 @@ def _cell_row(meta_path: Path, meta: dict) -> tuple[dict, pd.DataFrame | None]:
             "timed_window": meta.get("timed_window"),
             "timed_from": (meta.get("timed_window") or [np.nan])[0],
             "timed_to": (meta.get("timed_window") or [np.nan, np.nan])[1],
-            "model_spec": spec.model,  # in memory only: dropped before cells.csv
+            # in memory only: the model as the cell counted it
+            "model_params": _number(facts.get("params")),
+            "activation_bytes_per_sample": _number(facts.get("activation_bytes_per_sample")),
+            "notes": facts.get("maths_notes") or {},
         }
     )
     if meta["status"] not in records.RAN:
@@ -160,10 +187,9 @@ def _cell_row(meta_path: Path, meta: dict) -> tuple[dict, pd.DataFrame | None]:
     timed = steps.loc[steps["phase"] == "timed", "step_time_s"]
     if timed.empty or timed.isna().any():
         raise records.ResultsError(f"{steps_path}: no valid timed steps")
-    facts = _model_facts(spec.model, spec.global_batch)
     row.update(
-        flops_per_step=facts["flops"],
-        tokens_per_sample=facts["tokens_per_sample"],
+        flops_per_step=_number(facts.get("flops_per_step")),
+        tokens_per_sample=_number(facts.get("tokens_per_sample")),
         step_time_median_s=timed.median(),
         step_time_p90_s=timed.quantile(0.9),
         step_time_mean_s=timed.mean(),
@@ -224,37 +250,14 @@ def _against_neighbours(
     }
 
 
-@functools.cache
-def _model_facts(spec: ModelSpec, batch: int) -> dict:
-    """What the model alone decides, the same for every strategy, so found here once
-    per model rather than in every cell: FLOPs of one optimizer step (FlopCounterMode's
-    first use imports torch._dynamo: two seconds per process), tokens per sample, and
-    its layers whose maths changes when the batch is split."""
-    model = build(spec, seed=0)
-    try:
-        flops = step_flops(model, batch)
-    except Exception:  # a custom model that cannot run on meta tensors: no FLOPs, no MFU
-        flops = np.nan
-    try:
-        activations = activation_bytes_per_sample(model)
-    except Exception:  # as for FLOPs: a model that cannot run on meta tensors
-        activations = np.nan
-    return {
-        "flops": flops,
-        "tokens_per_sample": model.tokens_per_sample or np.nan,
-        "notes": maths_notes(model),
-        "params": sum(p.numel() for p in model.module.parameters()),
-        "activations_per_sample": activations,
-    }
-
-
-def likely_cause(spec: ModelSpec, strategy: str, batch: int) -> str:
-    """Why a cell that differs from single may differ: the model's batch-dependent or
-    random layers, when the strategy splits the batch (or for random layers, always)."""
-    notes = _model_facts(spec, batch)["notes"]
-    if record(strategy).batch_split is None:
-        notes = [n for n in notes if "random" in n]
-    return "; ".join(notes)
+def likely_cause(notes: dict, strategy: str) -> str:
+    """Why a cell that differs from single may differ: of the model's layers the cell
+    recorded (flops.model_facts), the batch-dependent ones when the strategy splits the
+    batch, and the random ones always."""
+    found = list(notes.get("random") or [])
+    if record(strategy).batch_split is not None:
+        found = list(notes.get("batch") or []) + found
+    return "; ".join(found)
 
 
 def _param_diffs(cells: pd.DataFrame) -> pd.DataFrame:
@@ -287,7 +290,7 @@ def _param_diffs(cells: pd.DataFrame) -> pd.DataFrame:
         rel = equivalence.l2_diff(a, b) / ref["param_travel"] if ref["param_travel"] else 0.0
         tol = equivalence.tolerance(ref["reorder_rel_diff"], c["strategy"], c["devices"])
         same = bool(rel <= tol)
-        cause = "" if same else likely_cause(c["model_spec"], c["strategy"], c["global_batch"])
+        cause = "" if same else likely_cause(c["notes"], c["strategy"])
         out.loc[i, cols] = [equivalence.max_abs_diff(a, b), rel, tol, same, cause]
     for c in cols[:3]:
         out[c] = out[c].astype(float)
@@ -363,7 +366,9 @@ def _one(g: pd.DataFrame) -> pd.Series:
             "usable_cores": ok["usable_cores"].median(),
             "ranks_per_core": ok["ranks_per_core"].median(),
             "options": g["options"].iloc[0],
-            "model_spec": g["model_spec"].iloc[0],
+            # in memory only, for the memory model: the model as its cells counted it
+            "model_params": ran["model_params"].median(),
+            "activation_bytes_per_sample": ran["activation_bytes_per_sample"].median(),
         }
     )
 
@@ -398,14 +403,10 @@ def summarize(
     summary["comm_tax_s"] = summary["step_time_s"] - summary["step_nocomm_s"]
     summary = summary.join(crosscheck.checks(summary, curves))
     summary = summary.join(scaling.predict(summary, curves, ranks, list(VARIANT_KEYS)))
-    # Only for models that ran: one that failed may be one nobody can build (too large).
+    # Only for models that ran: their cells recorded the model's size.
     ran = summary[summary["status"].isin(records.RAN)]
     memory = [
-        scaling.memory_model(
-            r,
-            _model_facts(r["model_spec"], r["global_batch"])["params"],
-            _model_facts(r["model_spec"], r["global_batch"])["activations_per_sample"],
-        )
+        scaling.memory_model(r, r["model_params"], r["activation_bytes_per_sample"])
         for _, r in ran.iterrows()
     ]
     memory_cols = [
@@ -435,11 +436,19 @@ def ideal_speedup(row: pd.Series, summary: pd.DataFrame) -> float:
 
 
 def load_cells(
-    meta_paths: list[Path], collective_windows: list[dict] | None = None
+    meta_paths: list[Path],
+    collective_windows: list[dict] | None = None,
+    config_hashes: Sequence[str] | None = None,
 ) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """The cells' rows and steps. `config_hashes`: per meta path, the settings hash of
+    the config's cell there (RunSpec.config_hash); a record of other settings is
+    refused, naming its file (ResultsError)."""
+    if config_hashes is not None and len(config_hashes) != len(meta_paths):
+        raise ValueError(f"{len(config_hashes)} config hashes for {len(meta_paths)} cells")
     rows, frames = [], []
-    for p in meta_paths:
-        row, steps = _cell_row(Path(p), records.read_meta(Path(p)))
+    for i, p in enumerate(meta_paths):
+        expected = None if config_hashes is None else config_hashes[i]
+        row, steps = _cell_row(Path(p), records.read_meta(Path(p)), expected)
         rows.append(row)
         if steps is not None:
             frames.append(steps)
@@ -491,15 +500,18 @@ def aggregate(
     collective_metas: list[Path] = (),
     collectives_out: Path | None = None,
     ranks_csv: Path | None = None,
+    config_hashes: Sequence[str] | None = None,
 ) -> None:
+    """Merge the cells' records (and the collectives benchmarks') into the tables.
+    `config_hashes`: per meta path, the hash of the config's cell (load_cells)."""
     rows, _failed, windows = collectives.load(list(collective_metas))
-    cells, steps = load_cells(meta_paths, windows)
+    cells, steps = load_cells(meta_paths, windows, config_hashes)
     curves = pd.DataFrame(rows, columns=list(collectives.COLUMNS))
     for col in ("devices", "bytes", "time_s", "algbw_GBps", "busbw_GBps", "iters"):
         curves[col] = pd.to_numeric(curves[col])
     ranks = pd.read_csv(ranks_csv) if ranks_csv else None
     summary = summarize(cells, steps, curves, ranks)
-    cells = cells.drop(columns=["model_spec", "hosts", "timed_window"])
+    cells = cells.drop(columns=list(_IN_MEMORY))
     outputs = [(steps, steps_out), (cells, cells_out), (summary, summary_out)]
     if collectives_out is not None:
         outputs.append((curves, collectives_out))

@@ -26,12 +26,14 @@ from parabench import (
     equivalence,
     faults,
     marks,
+    models,
     profiling,
     records,
     runtime,
     strategies,
 )
 from parabench.data import LoaderBatches, SyntheticBatches
+from parabench.flops import model_facts
 from parabench.loop import Silent, all_ranks, blocks, measure, plan, run_step, synchronizer
 from parabench.models import build
 from parabench.models.base import Model
@@ -108,10 +110,17 @@ def check_fits(spec: RunSpec, world: int, copies: int = 1) -> None:
     there, `copies` in all, where the cell needs a spare: Spare). Linux overcommits:
     without this check an absurd size is found by the OOM killer, whose SIGKILL says
     nothing about the model, or not at all."""
-    if spec.model.arch == "custom":  # it was built once already, when the run was checked
-        return
-    with torch.device("meta"):
-        n_params = sum(p.numel() for p in build(spec.model, spec.seed).module.parameters())
+    # A custom model was counted on fake tensors when the cell was checked
+    # (checks.problems): its factory is not called again; the others are built on the
+    # meta device.
+    n_params = models.facts(spec.model).n_params if spec.model.arch == "custom" else None
+    if n_params is None:
+        try:
+            with torch.device("meta"):
+                module = build(spec.model, spec.seed).module
+        except Exception:  # a factory that reads values while building: the real build says
+            return
+        n_params = sum(p.numel() for p in module.parameters())
     local = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
     need = n_params * 4 * local * copies  # fp32 parameters, per process on this host
     free = envinfo.available_memory()
@@ -329,6 +338,9 @@ def _timed(spec: RunSpec, ctx: runtime.Context, out: Path, t_start: float, host:
     # The cell's one build (check_fits' on the meta device aside): a second copy, where
     # the cell needs one, is copied from it before the strategy changes it.
     model = build(spec.model, spec.seed)
+    # What the steps after the cell need of the model, read off it before its strategy
+    # wraps it (on a copy without storage: flops.py), so that they never build it.
+    facts = model_facts(model, spec.global_batch) if ctx.is_main else None
     spare = Spare(spec, model) if needs_spare(spec, ctx) else None
     strategy = strategies.build(model, spec, ctx)
     batches = batch_source(model, spec, strategy)
@@ -365,6 +377,7 @@ def _timed(spec: RunSpec, ctx: runtime.Context, out: Path, t_start: float, host:
         "state": state,
         "emulated": strategy.emulated,
         "stage_cuts": strategy.stage_cuts,
+        "model_facts": facts,
         "peak_device": peak_device,
         "setup_s": setup_s,
         "spare": spare if spec.is_reference else None,
@@ -438,6 +451,8 @@ def _run(spec: RunSpec, ctx: runtime.Context, out: Path, common: dict, t_start: 
             **common,
             "emulated": timed["emulated"],
             "stage_cuts": timed["stage_cuts"],
+            # what aggregate, the report and compare read instead of building the model
+            "model_facts": timed["model_facts"],
             "peak_flops_per_device": timed["peak_device"],
             "peak_flops_total": sum(r["peak_flops"] for r in per_rank),
             "peak_flops_source": "config" if spec.peak_flops else "measured GEMM",

@@ -1,6 +1,7 @@
 """Which cells make sense: every cross-field rule of a RunSpec, each message naming the
 config key at fault, and the skips that the settings alone decide. Torch-free for the
-presets (a custom model is imported and checked once, by models.facts).
+presets (a custom model is loaded from the user's file and checked once, on fake
+tensors, by models.facts: nothing of its size is allocated).
 
 The workflow calls `problems` for every cell when it plans, before any job starts;
 `parabench run` calls it once more for a cell started by hand.

@@ -2,7 +2,9 @@
 
 - `facts(spec)`: what planning must know (blocks, tensor-parallel widths, size
   problems). Torch-free for the presets (facts.py), so the Snakefile plans without
-  importing torch; a custom model is imported, built and checked once (custom.py).
+  importing torch; a custom model is loaded from the user's file, built on fake tensors
+  and checked once (custom.py); a transformers model is read from its config (hf.py).
+  No model is built for real here: planning runs on a login node.
 - `build(spec, seed)`: the model itself, a `base.Model` (needs torch).
 
 Every model is a module plus a loss and a batch generator, and the names of its

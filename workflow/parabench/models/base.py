@@ -14,11 +14,21 @@ A model is a module plus a loss and a batch generator:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import itertools
+import logging
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeTensor,
+    FakeTensorMode,
+    UnsupportedOperatorException,
+)
 
 
 @dataclass
@@ -34,9 +44,10 @@ class Model:
     tokens_per_sample: int = 0  # language models: tokens in one sample (throughput)
     # The repeated blocks' names in `module`; an nn.Sequential's are its children.
     block_names: tuple[str, ...] = ()
-    # A module of the same maths whose ops FlopCounterMode can all count, where the
-    # model's own has one it cannot (transformers' sdpa attention on CPU): flops.py.
-    counting_module: Callable[[], nn.Module] | None = None
+    # Given a copy of `module`, the same maths in ops FlopCounterMode can all count,
+    # where the model's own has one it cannot (transformers' sdpa attention on CPU):
+    # flops.py, stages.trace.
+    for_counting: Callable[[nn.Module], nn.Module] | None = None
 
     def __post_init__(self) -> None:
         if not self.block_names and self.sequential:
@@ -62,21 +73,73 @@ def example_batch(model: Model, n: int, seed: int = 0) -> tuple[torch.Tensor, to
     return model.batch(n, gen)
 
 
-def maths_notes(model: Model) -> list[str]:
-    """Layers whose result depends on how the batch is split or on random draws: under
-    data parallelism or micro-batching their maths really changes, so a strategy that
-    splits the batch differs from `single` for a reason, named here."""
-    notes = []
+def maths_notes(model: Model) -> dict[str, list[str]]:
+    """Layers whose result depends on how the batch is split ("batch") or on random
+    draws ("random"): under data parallelism or micro-batching their maths really
+    changes, so a strategy that splits the batch differs from `single` for a reason,
+    named here; random draws differ under every strategy."""
+    notes: dict[str, list[str]] = {"batch": [], "random": []}
     for name, m in model.module.named_modules():
         if isinstance(m, nn.modules.batchnorm._BatchNorm):
-            notes.append(
+            notes["batch"].append(
                 f"{type(m).__name__} at {model.label}.{name} normalises over the samples one "
                 "rank or micro-batch sees (B/n or B/m), not the whole batch B "
                 "(SyncBatchNorm would restore it across ranks)"
             )
         elif isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0:
-            notes.append(
+            notes["random"].append(
                 f"{type(m).__name__}(p={m.p}) at {model.label}.{name} draws random masks, "
                 "which no two strategies draw alike"
             )
     return notes
+
+
+# Fake tensors (torch's FakeTensorMode) have shapes, dtypes and devices but no storage
+# and no values: a model built under the mode allocates nothing, so planning looks
+# inside a 70B model in seconds. What needs values cannot run on them: these are how
+# torch says so (not the model's fault; the cell, which runs it for real, will tell).
+FAKE_LIMITS = (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    UnsupportedOperatorException,
+)
+
+
+def fake_mode() -> FakeTensorMode:
+    """A mode for building and running a model on fake tensors. Real tensors a model
+    holds outside its parameters (a constant made at import) are taken as they are."""
+    return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+@contextlib.contextmanager
+def quiet_fake() -> Iterator[None]:
+    """Torch logs a traceback for every op that fails on fake tensors, before raising
+    it: a model's shape error, which the caller reports in one line naming the key."""
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+def fake_mode_of(module: nn.Module) -> FakeTensorMode | None:
+    """The mode `module` was built under, or None for a real module."""
+    for t in itertools.chain(module.parameters(), module.buffers()):
+        if isinstance(t, FakeTensor):
+            return t.fake_mode
+    return None
+
+
+@contextlib.contextmanager
+def running(module: nn.Module) -> Iterator[Callable[[torch.Tensor], torch.Tensor]]:
+    """Where to run `module`: inside its fake mode where it was built on fake tensors
+    (so that what its forward creates is fake too), yielding what brings a real tensor
+    (a batch drawn on the CPU) to it."""
+    mode = fake_mode_of(module)
+    if mode is None:
+        yield lambda t: t
+        return
+    with quiet_fake(), mode:
+        yield mode.from_tensor

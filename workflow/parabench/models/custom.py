@@ -1,4 +1,5 @@
-"""Your own model: `arch: custom`, `factory: "module.path:function"`, `args: {...}`.
+"""Your own model: `arch: custom`, `factory: "module:function"`, `args: {...}`, and
+optionally `path: dir` (the directory holding the module's file).
 
 The factory is plain PyTorch. Called with `args` as keyword arguments, it returns
 dict(blocks=nn.Sequential, loss=callable(output, target) -> scalar mean,
@@ -6,31 +7,60 @@ batch=callable(batch_size, generator) -> (inputs, targets)), and optionally tp_p
 {module name: "colwise" | "rowwise" | a ParallelStyle}. Or, for a model as it is
 written (any nn.Module with a forward of its own), module= in place of blocks=: its
 repeated blocks are found (the largest ModuleList of one class) or named by the config
-key `blocks`. The module is found on the working directory or PYTHONPATH. See
-docs/custom-models.md.
+key `blocks`. See docs/custom-models.md.
 
-The factory is imported and checked when the workflow plans, before any job: an import
+A factory is the user's own code, which a config runs as a Snakefile does: the module is
+a file the user provides, `<module>.py` (dots are folders) in the config's `path` or
+the working directory, never a file inside a Python installation or environment (the
+standard library, installed packages, a virtual environment: any Python's on the host,
+not only the running one's). The file is found without importing anything and loaded
+by its path under a name of its own (it shadows no module and joins no sys.path, so its
+name may be any, test.py or types.py too); anything else is refused before any of its
+code runs. The function must be defined in that file.
+
+The factory is checked when the workflow plans, before any job, on fake tensors
+(FakeTensorMode: no memory, no arithmetic, so a 70B model plans in seconds): an import
 that fails, a factory that raises, a return value that breaks the contract, blocks that
 do not chain on the batch, a loss that is not a scalar. Each problem is one sentence;
 the config check prefixes the key (models.<name>.factory). Whether stages can be cut
 from a module is read then too (stages.trace): where not, its stage cells are skipped.
+What needs values fake tensors lack is left to the cell, which runs it for real: a
+forward that reads them, and a factory that reads one while building, whose facts are
+then read off another build that allocates nothing, where one works
+(_facts_without_values).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
-import importlib
+import hashlib
+import importlib.util
 import os
+import re
+import site
 import sys
+import sysconfig
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-from parabench.models.base import Model, example_batch
+from parabench.models.base import (
+    FAKE_LIMITS,
+    Model,
+    example_batch,
+    fake_mode,
+    fake_mode_of,
+    quiet_fake,
+    running,
+)
 from parabench.models.facts import ModelFacts, TPSplit
 
 if TYPE_CHECKING:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
     from parabench.spec import ModelSpec
 
 
@@ -40,36 +70,174 @@ class FactoryError(ValueError):
     key = "factory"  # the config key it is about, under models.<name>
 
 
+class ReadsValues(FactoryError):
+    """The factory read a tensor's value while building, on fake tensors, which have
+    none: not the factory's fault (_facts_without_values)."""
+
+
+class PathError(FactoryError):
+    """The config's `path` is no directory of the user's."""
+
+    key = "path"
+
+
 class BlocksError(FactoryError):
     """The config's `blocks` names no container of blocks in the model."""
 
     key = "blocks"
 
 
-def _load(path: str):
-    module_name, _, function = path.partition(":")
-    if not module_name or not function:
-        raise FactoryError(f"{path!r} is not 'module.path:function'")
-    if os.getcwd() not in sys.path:  # "on the working directory or PYTHONPATH"
-        sys.path.insert(0, os.getcwd())
+# parabench's own modules are no user's factory either.
+PARABENCH = Path(__file__).resolve().parents[1]
+
+
+def _not_yours() -> list[Path]:
+    """Where the running Python's own and installed modules live: the standard library,
+    the site directories (system, virtual environment, user), its prefixes, and
+    parabench itself."""
+    paths = sysconfig.get_paths()
+    found = [paths[k] for k in ("stdlib", "platstdlib", "purelib", "platlib") if k in paths]
+    found += site.getsitepackages() if hasattr(site, "getsitepackages") else []
+    found += [site.getusersitepackages(), str(PARABENCH)]
+    found += [sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix]
+    resolved = [Path(p).resolve() for p in found if p]
+    return [p for p in resolved if p != Path(p.anchor)]  # a prefix of / would be everything
+
+
+# A directory named so holds a Python's standard library or its installed packages:
+# lib/python3.12, lib64/python3.11, lib/pypy3.10, lib/python3.13t.
+PYTHON_LIB = re.compile(r"(python|pypy)3(\.\d+)?[a-z]*")
+
+
+def _is_python_home(d: Path) -> bool:
+    """`d` is the root of some Python's modules, whichever Python: any interpreter on
+    the host, not only the one running (whose own directories are _not_yours)."""
+    if d.name in ("site-packages", "dist-packages"):
+        return True
+    if d.parent.name in ("lib", "lib64") and PYTHON_LIB.fullmatch(d.name):
+        return True
+    try:  # a virtual environment's root; a standard library's root
+        return (d / "pyvenv.cfg").is_file() or (
+            (d / "os.py").is_file() and (d / "site.py").is_file()
+        )
+    except OSError:  # a directory we may not read is no Python we could be given
+        return False
+
+
+def python_tree(where: Path) -> Path | None:
+    """The directory that makes `where` (resolved) part of a Python installation or
+    environment, or None: where `where` or a directory above it is the running Python's
+    (its prefixes, standard library, site directories) or any Python's (_is_python_home).
+    A file there is never the user's own, even one the user could edit."""
+    mine = _not_yours()
+    for d in (where, *where.parents):
+        if d in mine or _is_python_home(d):
+            return d
+    return None
+
+
+def locate(factory: str, path: str | None = None) -> tuple[Path, str]:
+    """The file of `factory` ('module:function', dots in the module being folders) and
+    the function's name, found without importing anything: `<module>.py` (or
+    `<module>/__init__.py`) in `path` (relative to the working directory, or absolute),
+    else in the working directory; nowhere else. Where the file really is decides, not
+    its name (it is loaded under a name of its own, so a file called test.py or
+    types.py shadows nothing): FactoryError where `path` or the file lies inside a
+    Python installation or environment (any Python's, not only the running one's) or
+    parabench, or no such file exists."""
+    module, _, function = factory.partition(":")
+    parts = module.split(".")
+    if not module or not function.isidentifier() or not all(p.isidentifier() for p in parts):
+        raise FactoryError(f"{factory!r} is not 'module:function'")
+    where = [Path(os.getcwd())]
+    if path:
+        folder = Path(os.getcwd(), path)
+        try:
+            home = python_tree(folder.resolve())
+        except (OSError, ValueError, RuntimeError):  # a NUL, a loop of links
+            raise PathError(f"{path!r} is not a directory a factory could be in") from None
+        if home is not None:
+            raise PathError(
+                f"{path!r} is {folder.resolve()}, inside a Python installation or environment "
+                f"({home}): a factory's module is a file of your own"
+            )
+        where.insert(0, folder)
+    rel = Path(*parts)
+    for folder in where:
+        for candidate in (folder / rel.with_suffix(".py"), folder / rel / "__init__.py"):
+            try:
+                if not candidate.is_file():
+                    continue
+                real = candidate.resolve()  # a link to a file elsewhere is that file
+            except (OSError, ValueError, RuntimeError):  # a NUL, too long, a loop of links
+                continue
+            if (home := python_tree(real.parent)) is not None:
+                raise FactoryError(
+                    f"{candidate} is {real}, a file of Python's or an installed package's "
+                    f"({home}), not a module of your own"
+                )
+            return real, function
+    looked = " or ".join(str(d) for d in where)
+    known = parts[0] in sys.stdlib_module_names or parts[0] in sys.builtin_module_names
+    ours = f"{parts[0]!r} is Python's standard library, never a factory; " if known else ""
+    raise FactoryError(
+        f"no file {rel}.py in {looked} ({ours}a factory's module is a file of your own, in "
+        "the working directory or in the directory models.<name>.path names)"
+    )
+
+
+@functools.cache
+def _module(file: Path, label: str):
+    """Load the user's file by its path under a name of its own (never `label`, the
+    module's name in the config, which an `import` elsewhere could mean), once per
+    process."""
+    digest = hashlib.sha256(str(file).encode()).hexdigest()[:12]
+    name = f"_parabench_factory_{label.replace('.', '_')}_{digest}"
+    found = importlib.util.spec_from_file_location(name, file)
+    if found is None or found.loader is None:
+        raise FactoryError(f"cannot load {file}")
+    module = importlib.util.module_from_spec(found)
+    sys.modules[name] = module  # as `import` would: dataclasses and pickle look it up
     try:
-        module = importlib.import_module(module_name)
+        found.loader.exec_module(module)
     except Exception as e:
-        raise FactoryError(f"cannot import {module_name!r} ({type(e).__name__}: {e})") from e
+        del sys.modules[name]
+        raise FactoryError(f"cannot import {label!r} ({type(e).__name__}: {e})") from e
+    return module
+
+
+def _load(factory: str, path: str | None = None):
+    file, function = locate(factory, path)
+    label = factory.partition(":")[0]
+    module = _module(file, label)
     fn = getattr(module, function, None)
     if not callable(fn):
-        raise FactoryError(f"module {module_name!r} has no function {function!r}")
+        raise FactoryError(f"module {label!r} ({file}) has no function {function!r}")
+    if getattr(fn, "__module__", None) != module.__name__:
+        # e.g. `from subprocess import getoutput` in the user's file
+        raise FactoryError(
+            f"{function!r} is not defined in {file} (it comes from "
+            f"{getattr(fn, '__module__', None)!r}): a factory is a function of your own file"
+        )
     return fn
 
 
-def build_custom(spec: ModelSpec) -> Model:
-    """Call the factory (the caller has seeded torch) and check what it returns."""
+def build_custom(spec: ModelSpec, fake: FakeTensorMode | None = None) -> Model:
+    """Call the factory (the caller has seeded torch) and check what it returns. With
+    `fake`, the factory runs under that FakeTensorMode (its module is loaded outside
+    it, so what the file makes at import is real)."""
     sizes = spec.size_dict()
-    fn = _load(sizes["factory"])
+    fn = _load(sizes["factory"], sizes.get("path"))
     args = dict(sizes.get("args") or {})
     try:
-        got = fn(**args)
+        with contextlib.ExitStack() as under:
+            if fake:
+                under.enter_context(quiet_fake())
+                under.enter_context(fake)
+            got = fn(**args)
     except Exception as e:
+        if fake and isinstance(e, FAKE_LIMITS):
+            raise ReadsValues(f"the factory read a value while building ({e})") from e
         raise FactoryError(f"the factory raised {type(e).__name__}: {e}") from e
     if not isinstance(got, dict) or not (
         {"loss", "batch"} <= set(got) and len({"blocks", "module"} & set(got)) == 1
@@ -108,6 +276,12 @@ def build_custom(spec: ModelSpec) -> Model:
             module.get_submodule(fqn)
         except AttributeError:
             raise FactoryError(f"tp_plan names {fqn!r}, which is not a module of {where}") from None
+    if fake is None and fake_mode_of(module) is not None:
+        # a factory that keeps what it built (a cache) hands the planning check's model back
+        raise FactoryError(
+            "returned a model on fake tensors, the one planning's check had it build: the "
+            "factory must build a new model on every call (no cache)"
+        )
     return Model(module, loss, batch, dict(plan), device_batches=False, block_names=names)
 
 
@@ -138,7 +312,10 @@ def find_blocks(module: nn.Module, named: str | None = None) -> tuple[str, ...]:
 
 
 def check_runs(model: Model, n: int = 4) -> None:
-    """The batch is deterministic, the blocks chain on it, the loss is a scalar."""
+    """The batch is deterministic, the blocks chain on it, the loss is a scalar. The
+    batch is drawn for real (n samples); the model runs where it was built (on fake
+    tensors at planning: shapes are checked, values never read). A forward that needs
+    values fake tensors do not have is left to the cell, which runs it for real."""
     try:
         x, y = example_batch(model, n)
         x2, _ = example_batch(model, n)
@@ -150,25 +327,30 @@ def check_runs(model: Model, n: int = 4) -> None:
         raise FactoryError(f"batch({n}, ...) gave a first dimension of {x.shape[0]}, not {n}")
     if not torch.equal(x, x2):
         raise FactoryError("batch is not deterministic: draw every value from the generator")
-    act = x
-    with torch.no_grad():
-        if not model.sequential:
-            try:
-                act = model.module(act)
-            except Exception as e:
-                raise FactoryError(f"module(inputs) raised {type(e).__name__}: {e}") from e
-        for i, block in enumerate(model.blocks() if model.sequential else []):
-            try:
-                act = block(act)
-            except Exception as e:
-                raise FactoryError(
-                    f"blocks do not chain on the batch: block {i} ({type(block).__name__}) "
-                    f"raised {type(e).__name__}: {e}"
-                ) from e
+    with running(model.module) as bring, torch.no_grad():
+        act, y = bring(x), bring(y)
         try:
-            value = model.loss_fn(act, y)
-        except Exception as e:
-            raise FactoryError(f"loss(output, target) raised {type(e).__name__}: {e}") from e
+            if not model.sequential:
+                try:
+                    act = model.module(act)
+                except Exception as e:
+                    raise FactoryError(f"module(inputs) raised {type(e).__name__}: {e}") from e
+            for i, block in enumerate(model.blocks() if model.sequential else []):
+                try:
+                    act = block(act)
+                except Exception as e:
+                    raise FactoryError(
+                        f"blocks do not chain on the batch: block {i} ({type(block).__name__}) "
+                        f"raised {type(e).__name__}: {e}"
+                    ) from e
+            try:
+                value = model.loss_fn(act, y)
+            except Exception as e:
+                raise FactoryError(f"loss(output, target) raised {type(e).__name__}: {e}") from e
+        except FactoryError as e:
+            if isinstance(e.__cause__, FAKE_LIMITS):
+                return  # it reads values: the cell runs it for real
+            raise
     if not isinstance(value, torch.Tensor) or value.dim() != 0:
         raise FactoryError("loss must return a scalar tensor (the mean over the batch)")
 
@@ -184,22 +366,72 @@ def tp_widths(model: Model) -> tuple[int, ...]:
     return tuple(dict.fromkeys(widths))
 
 
-@functools.cache
 def inspect_factory(spec: ModelSpec) -> ModelFacts:
-    """Import, call and check the factory once per process (planning, each cell)."""
+    """Load, call and check the factory once per process (planning, each cell's check),
+    the model built on fake tensors: nothing of its size is allocated, no arithmetic
+    done, and the cell's own build stays its only real one."""
+    return _inspect(spec, os.getcwd())  # the file it names depends on where we are
+
+
+@functools.cache
+def _inspect(spec: ModelSpec, _cwd: str) -> ModelFacts:
     try:
-        torch.manual_seed(0)
-        model = build_custom(spec)
+        try:
+            model = build_custom(spec, fake=fake_mode())
+        except ReadsValues:
+            return _facts_without_values(spec)
         check_runs(model)
     except FactoryError as e:
         return ModelFacts(0, False, problems=(f"{e.key}: {e}",))
     from parabench.models import stages
 
+    return _facts(model, cut_skip=stages.trace(model).problem)
+
+
+def _facts(model: Model, cut_skip: str | None = None) -> ModelFacts:
     split = TPSplit("factory", "the planned layers' widths", tp_widths(model))
     return ModelFacts(
         len(model.block_names),
         bool(model.tp_plan),
         (split,) if split.widths else (),
-        cut_skip=stages.trace(model).problem,
+        cut_skip=cut_skip,
         n_params=sum(p.numel() for p in model.module.parameters()),
     )
+
+
+# Blocks of a model planning could not build: no stage cell is skipped for having
+# too few (checks.shape_skip_reason); the rank cuts the real model, or says why not.
+UNKNOWN_BLOCKS = sys.maxsize
+
+
+def _facts_without_values(spec: ModelSpec) -> ModelFacts:
+    """The facts of a factory that reads a value while building (`w.std().item()` for
+    its init), which a fake tensor does not have: the same factory works for real, so
+    it is not refused. Built again, still allocating nothing, where the values it reads
+    need not be known: on fake tensors whose read values are symbols (a value used in
+    arithmetic, not in an `if`), else on the meta device (a value read from a tensor
+    made on a named device, which is real there). Its parameters, blocks and plan are
+    read off that model; running its forward and cutting stages are left to the cell,
+    which runs it for real. Where neither build works, those facts are unknown (no
+    parameter count; no cell skipped for its blocks or plan) and the cell finds out."""
+    for build in (_build_symbolic, _build_meta):
+        try:
+            return _facts(build(spec))
+        except FactoryError as e:
+            if e.__cause__ is None:  # built, and what it returned breaks the contract
+                return ModelFacts(0, False, problems=(f"{e.key}: {e}",))
+    return ModelFacts(UNKNOWN_BLOCKS, True)
+
+
+def _build_symbolic(spec: ModelSpec) -> Model:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    # .item() gives a symbol in place of raising
+    env = ShapeEnv(allow_scalar_outputs=True)
+    return build_custom(spec, fake=FakeTensorMode(allow_non_fake_inputs=True, shape_env=env))
+
+
+def _build_meta(spec: ModelSpec) -> Model:
+    with torch.device("meta"):
+        return build_custom(spec)

@@ -15,13 +15,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 # Default sizes: the seeds' MLP and the DDP tutorial's SeqNet; gpt's are GPT-2 small's
-# shape. A custom model names its factory and the factory's arguments.
+# shape. A custom model names its factory, the factory's arguments and, where its file
+# is not in the working directory, the directory that holds it (custom.py).
 DEFAULTS: dict[str, dict] = {
     "mlp": {"dims": [1000, 400, 300, 200, 100, 50, 1]},
     "seqnet": {"dims": [784, 200, 200, 10]},
     "resmlp": {"d_in": 256, "width": 256, "depth": 8, "classes": 10},
     "gpt": {"vocab": 50257, "seq_len": 1024, "n_layer": 12, "n_head": 12, "d_model": 768},
-    "custom": {"factory": None, "args": {}, "blocks": None},
+    "custom": {"factory": None, "args": {}, "blocks": None, "path": None},
     "hf": {"model_type": None, "config": {}, "seq_len": 128, "blocks": None},
 }
 PRESETS: tuple[str, ...] = ("mlp", "seqnet", "resmlp", "gpt")

@@ -173,14 +173,11 @@ def build(spec: ModelSpec) -> Model:
         ids = torch.randint(0, vocab, (n, seq_len), generator=generator)
         return ids, ids  # the model shifts the labels: each token predicts the next
 
-    def counting_module() -> nn.Module:
-        """The same model with eager attention: torch's FLOP counter has no formula
-        for sdpa's CPU kernel, so its attention would count as free."""
-        import copy
-
-        eager = copy.deepcopy(hf)
-        eager.set_attn_implementation("eager")
-        return _causal_lm()(eager)
+    def for_counting(copy: nn.Module) -> nn.Module:
+        """A copy of the model with eager attention: torch's FLOP counter has no
+        formula for sdpa's CPU kernel, so its attention would count as free."""
+        copy.hf.set_attn_implementation("eager")
+        return copy
 
     return Model(
         module,
@@ -190,7 +187,7 @@ def build(spec: ModelSpec) -> Model:
         device_batches=False,
         tokens_per_sample=seq_len,
         block_names=names,
-        counting_module=counting_module,
+        for_counting=for_counting,
     )
 
 

@@ -18,11 +18,19 @@ the whole model's.
 That is sound when the activation crossing a cut is all the forward carries from one
 block to the next: `h = block(h)` or `h = act(block(h))`, as transformers and
 torchtitan models run their layers, not `h = h + block(h)`, whose `h` the next stage
-never sees. `trace` reads the forward once on real samples and checks that stages cut
-at every boundary, chained, give the model's output on other samples; a model that
-fails says why (ModelFacts.cut_skip), and its stage cells are skipped. What one
-sample in eval mode cannot show (a block dropped at random in training) is caught
-when a stage runs: the forward must reach the stage's first and last block.
+never sees. `trace` reads the forward once and checks, from autograd's graph, that the
+output depends on a block's input only through the block and on its output only
+through the next block; then that stages cut at every boundary, chained, run and give
+a tensor of the output's shape on other samples. A model that fails says why
+(ModelFacts.cut_skip), and its stage cells are skipped. All of it runs on fake tensors
+(FakeTensorMode: shapes, dtypes and the graph, no values), at planning
+(custom.inspect_factory) and in each pipeline or model-parallel rank alike, which reads
+a fake copy of its real model; only a forward that reads values fake tensors lack is
+read for real, in the rank, where the stages chained must also give the model's
+output. A forward that uses a block's output off the graph (a Python attribute, an
+integer tensor) is left to the run, whose equivalence check against `single` shows it.
+What one sample in eval mode cannot show (a block dropped at random in training) is
+caught when a stage runs: the forward must reach the stage's first and last block.
 """
 
 from __future__ import annotations
@@ -30,16 +38,23 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
-import itertools
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import FakeCopyMode
 from torch.utils._pytree import tree_map_only
 from torch.utils.flop_counter import FlopCounterMode
 
-from parabench.models.base import Model, example_batch
+from parabench.models.base import (
+    FAKE_LIMITS,
+    Model,
+    example_batch,
+    fake_mode,
+    fake_mode_of,
+    running,
+)
 
 TRACE_BATCH = 3  # samples in the traced forward: a batch dimension tells itself apart
 CHECK_BATCH = 5  # and in the chained check, on other samples: stand-ins must follow
@@ -79,9 +94,15 @@ class Trace:
 
 
 def trace(model: Model) -> Trace:
-    """Read the forward once on real CPU samples and check a cut at every boundary on
-    others (a module with a forward of its own; an nn.Sequential needs no reading). It
-    runs on a copy: a forward may change the module's state (buffers, counters)."""
+    """Read the forward once and check a cut at every boundary (a module with a forward
+    of its own; an nn.Sequential needs no reading), on fake tensors: shapes, dtypes and
+    autograd's graph, no values, no memory of the model's size, no arithmetic. A model
+    built on them (planning's) is read as it is, a real one (a rank's) on a fake copy:
+    a rank holds no further copy of its weights and runs no forward of the whole model
+    on the CPU (a 7B model: 28 GB and minutes). Where the forward reads values fake
+    tensors do not have, planning leaves the check to the rank, and the rank reads the
+    real model for real, on a copy sharing its weights (_light_copy), where the stages
+    chained must also give the model's output."""
     if model.sequential:
         return Trace([], sequential=True)
     blocks = model.block_names
@@ -90,37 +111,131 @@ def trace(model: Model) -> Trace:
     parts, problem = _parts(model.module, blocks)
     if problem:
         return Trace([], problem=problem)
+    if fake_mode_of(model.module) is not None:
+        try:
+            return _trace(model, model.module, parts)
+        except FAKE_LIMITS:
+            return Trace([])  # the values it reads are unknown here: the rank checks
+    try:
+        return _trace(model, _counting(model, _fake_copy(model.module)), parts)
+    except FAKE_LIMITS:
+        return _trace(model, _counting(model, _light_copy(model.module)), parts)
+
+
+def _fake_copy(module: nn.Module) -> nn.Module:
+    """`module` on fake tensors: its weights' shapes, none of their memory."""
+    with FakeCopyMode(fake_mode()):
+        return copy.deepcopy(module)
+
+
+def _light_copy(module: nn.Module) -> nn.Module:
+    """`module` for a real forward that must leave it as it was (a forward may change
+    buffers, counters): its parameters shared, not copied, its buffers (small: rotary
+    tables, running statistics) and the rest copied."""
+    memo: dict = {id(p): p for p in module.parameters()}
+    memo |= {id(b): b.clone() for b in module.buffers()}
+    return copy.deepcopy(module, memo)
+
+
+def _counting(model: Model, module: nn.Module) -> nn.Module:
     # The counting copy (flops.py) has the same names and maths, and its FLOPs count.
-    module = model.counting_module() if model.counting_module else copy.deepcopy(model.module)
+    return model.for_counting(module) if model.for_counting else module
+
+
+def _trace(model: Model, module: nn.Module, parts: list[str]) -> Trace:
+    """trace() on `module`, the model's or a copy of it, fake or real; FAKE_LIMITS
+    where the forward reads values `module` does not have."""
+    blocks = model.block_names
     x = example_batch(model, TRACE_BATCH)[0]
     other = example_batch(model, CHECK_BATCH, seed=1)[0]
     try:
-        with _eval(module), torch.no_grad():  # no dropout: the chain is compared below
-            calls, _ = _calls(module, blocks, parts, x)
+        with running(module) as bring, _eval(module):  # no dropout: the chain is compared
+            x, other = bring(x), bring(other)
+            with torch.no_grad():
+                calls, whole = _calls(module, blocks, parts, x)
             holders = {p for p in parts if any(True for _ in module.get_submodule(p).parameters())}
             t = _read(calls, blocks, parts, holders)
             if t.problem:
                 return t
-            whole = module(other)
-            act = other
-            for i in range(len(blocks)):  # a cut at every boundary
-                act = _cut(module, blocks, t, i, i + 1).fed([other])(act)
+            if not isinstance(whole, torch.Tensor):
+                return Trace([], problem="its forward returns no tensor")
+            if why := _carried(module, blocks, x):
+                return Trace([], problem=why)
+            with torch.no_grad():
+                whole = module(other)
+                act = other
+                for i in range(len(blocks)):  # a cut at every boundary
+                    act = _cut(module, blocks, t, i, i + 1).fed([other])(act)
+    except FAKE_LIMITS:
+        raise
     except Exception as e:  # a forward that a stage's stand-ins break
         why = f"its forward fails when cut into stages ({type(e).__name__}: {e})"
         return Trace([], problem=why)
-    if not (isinstance(whole, torch.Tensor) and act.shape == whole.shape):
-        return Trace([], problem="its forward returns no tensor, or the stages chained do not")
+    if not (isinstance(act, torch.Tensor) and act.shape == whole.shape):
+        return Trace([], problem="the stages chained do not return a tensor of its output's shape")
+    if fake_mode_of(module) is not None:  # no values to compare: the graph said it
+        return t
     if not torch.allclose(act, whole, rtol=1e-4, atol=1e-5):
         gap = float((act - whole).abs().max())
         return Trace(
             [],
-            problem=_unsound(calls, blocks)
-            or (
+            problem=(
                 f"the stages chained do not give its output (largest difference {gap:.2g}): "
                 "its forward carries more across a cut than the activation a block is given"
             ),
         )
     return t
+
+
+def _carried(module: nn.Module, blocks: tuple[str, ...], x: torch.Tensor) -> str | None:
+    """Why a cut would lose what the forward carries past a block, read from autograd's
+    graph (on fake tensors too): each block is given a leaf of its own in place of its
+    input, so the output depends on what the forward formed as a block's input only
+    where the forward uses it besides the block (h = h + block(h): a stage beginning at
+    that block would not have it), and on the leaf only through the block's output,
+    which must reach the output only as the next block's input (a stage ending at that
+    block sends nothing else). Inputs that carry no gradient (token ids, the model's
+    own input, which every stage has) are not checked."""
+    formed: dict[str, torch.Tensor] = {}
+    leaves: dict[str, torch.Tensor] = {}
+
+    def given(name: str, _m: nn.Module, args: tuple) -> tuple | None:
+        if not (args and isinstance(args[0], torch.Tensor) and args[0].is_floating_point()):
+            return None
+        formed[name] = args[0]
+        leaves[name] = args[0].detach().requires_grad_(True)
+        return (leaves[name], *args[1:])
+
+    with contextlib.ExitStack() as hooks, torch.enable_grad():
+        for name in blocks:
+            at = module.get_submodule(name).register_forward_pre_hook(
+                functools.partial(given, name)
+            )
+            hooks.callback(at.remove)
+        out = module(x)
+    inputs = [b for b in blocks if b in formed and formed[b].requires_grad]
+    outputs = [b for b in blocks[:-1] if b in leaves]
+    wrt = [formed[b] for b in inputs] + [leaves[b] for b in outputs]
+    if not (isinstance(out, torch.Tensor) and out.requires_grad and wrt):
+        return None
+    grads = torch.autograd.grad(out.float().sum(), wrt, allow_unused=True)
+    used = [b for b, g in zip(inputs, grads, strict=False) if g is not None]
+    if used:
+        # the last: an earlier input is often used only through it (h carried on)
+        b = used[-1]
+        which = f"beginning at {b}" if b != blocks[0] else "after the first"
+        return (
+            f"its forward uses block {b}'s input again besides the block (as in h = h + "
+            f"block(h)): a stage {which} would not have it"
+        )
+    sent = [b for b, g in zip(outputs, grads[len(inputs) :], strict=True) if g is not None]
+    if sent:
+        b, after = sent[0], blocks[blocks.index(sent[0]) + 1]
+        return (
+            f"its forward uses block {b}'s output besides handing it to block {after}: a "
+            f"stage ending at {b} would send only {after}'s input"
+        )
+    return None
 
 
 def _parts(module: nn.Module, blocks: tuple[str, ...]) -> tuple[list[str], str | None]:
@@ -231,21 +346,6 @@ def _read(calls: list[tuple], blocks, parts, holders: set[str]) -> Trace:
     costs[0] += starts[0]
     costs[-1] += calls[-1][2] - calls[last][2]
     return Trace(costs, False, tuple(prefix), tuple(suffix), tuple(late), stand_ins)
-
-
-def _unsound(calls: list[tuple], blocks) -> str | None:
-    """A block whose input is not the previous block's output, the likely reason the
-    stages chained differ: the forward forms more around a block than its output."""
-    given = {c[0]: c[3] for c in calls if c[1] == "in"}
-    out_of = {c[0]: c[3] for c in calls if c[1] == "out"}
-    for before, block in itertools.pairwise(blocks):
-        if given[block] is not out_of[before]:
-            return (
-                f"block {block}'s input is not block {before}'s output and the stages "
-                "chained differ from the model: the forward combines them with more (as "
-                "in h = h + block(h)), which a cut between them would lose"
-            )
-    return None
 
 
 @contextlib.contextmanager
@@ -451,11 +551,26 @@ def boundary(
     model: Model, t: Trace, cuts: list[tuple[int, int]], stage: int, n: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(input, output) of `stage` on n samples of the model's batch, on the CPU: the
-    shapes and dtypes a pipeline stage tells its neighbours."""
+    shapes and dtypes a pipeline stage tells its neighbours, as zeros. Read on a fake
+    copy of the model (no weight copied, none of the stages up to it run for real on
+    the CPU); on the model itself where its forward reads values fake tensors lack."""
     x = example_batch(model, n)[0]
-    act = x
-    with torch.no_grad():
-        for lo, hi in cuts[:stage]:
-            act = cut(model, t, lo, hi).fed([x])(act)
-        lo, hi = cuts[stage]
-        return act, cut(model, t, lo, hi).fed([x])(act)
+    if fake_mode_of(model.module) is not None:
+        return _boundary(model.module, model.block_names, t, cuts[: stage + 1], x)
+    try:
+        return _boundary(_fake_copy(model.module), model.block_names, t, cuts[: stage + 1], x)
+    except FAKE_LIMITS:
+        return _boundary(model.module, model.block_names, t, cuts[: stage + 1], x)
+
+
+def _boundary(
+    module: nn.Module, blocks: tuple[str, ...], t: Trace, cuts: list[tuple[int, int]], x
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The last of `cuts`' (input, output) on input `x`, as zeros on the CPU."""
+    with running(module) as bring, torch.no_grad():
+        x = bring(x)
+        act = x
+        for lo, hi in cuts[:-1]:
+            act = _cut(module, blocks, t, lo, hi).fed([x])(act)
+        out = _cut(module, blocks, t, *cuts[-1]).fed([x])(act)
+    return torch.zeros(act.shape, dtype=act.dtype), torch.zeros(out.shape, dtype=out.dtype)
