@@ -1,10 +1,19 @@
 # parabench: PyTorch multi-device training strategies, each at 1, 2 and 4 devices.
 #   snakemake --cores 1                      small CPU run (config/config.yaml)
 #   snakemake --profile profiles/slurm       on a GPU cluster (see README)
+import os
+
 from snakemake.exceptions import WorkflowError
 from snakemake.utils import min_version, validate
 
-min_version("8.20")
+# 8.25: params computed from a job's input or output (every command here: a cell's,
+# the ranks', the plan's) are left out of its rerun triggers (snakemake PR #3154), so
+# only what each rule names as what it measures decides a rerun, not its timeouts.
+min_version("8.25")
+
+# The jobs' Pythons (python -m parabench ...) leave the working directory off sys.path,
+# so a file in the working directory never shadows a module they import (Python >= 3.11).
+os.environ.setdefault("PYTHONSAFEPATH", "1")
 
 
 # A user's --configfile is the whole config (the schema's defaults under it), as in
@@ -20,10 +29,12 @@ if not workflow.overwrite_configfiles:
 # naming the key: its own message prints the whole schema after that line.
 try:
     validate(config, "workflow/schemas/config.schema.yaml")
-except WorkflowError:
+except WorkflowError as e:
     from parabench.config import schema_problem
 
-    raise WorkflowError(f"invalid config: {schema_problem(config)}") from None
+    lines = str(e).splitlines()
+    why = schema_problem(config) or next((x for x in lines if "Error:" in x), lines[0])
+    raise WorkflowError(f"invalid config: {why}") from None
 
 
 # Timed jobs (cells, the collectives benchmark) take one `timed_cells` each, and the
@@ -43,6 +54,27 @@ include: "workflow/rules/ranks.smk"
 include: "workflow/rules/aggregate.smk"
 include: "workflow/rules/report.smk"
 include: "workflow/rules/plan.smk"
+
+
+# The run's hooks, in the main process only (not in a cluster job's parse of this file),
+# and none on a dry run (Snakemake calls no hook then, nor when there is nothing to do).
+# The lock first: a second writer is refused before the preflight's checks.
+onstart:
+    if workflow.is_main_process:
+        take_results_lock()
+        try:
+            preflight()
+        except BaseException:
+            release_results_lock()
+            raise
+
+
+onsuccess:
+    release_results_lock()
+
+
+onerror:
+    release_results_lock()
 
 
 rule all:

@@ -59,3 +59,4 @@ def test_sweep_without_snakemake_ends_in_a_report_and_resumes(tmp_path):
     again = sweep(tmp_path)
     assert again.returncode == 0, again.stderr[-3000:]
     assert again.stdout.count("recorded, kept") == 3, again.stdout
+    assert "ranks: measured with these settings, kept" in again.stdout, again.stdout

@@ -1,6 +1,8 @@
 """A sweep meets trouble: one failed cell leaves the rest whole, Ctrl-C and SIGKILL
 resume without rerunning finished cells, untrustworthy results are refused by name, and
-a bad config stops before any job starts. Real Snakemake, real processes."""
+a bad config stops before any job starts. Real Snakemake, real processes. And
+`parabench sweep` tells a launch stopped by a signal (run again to resume) from one that
+ended on its own without a record (its log named)."""
 
 import base64
 import json
@@ -13,13 +15,12 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+import yaml
 
-from conftest import snakemake
-from parabench import records
+from conftest import snakemake, tiny_config
+from parabench import records, sweep
 from parabench.loop import PROFILED, plan
 from report_fixture import make_results
-
-pytestmark = pytest.mark.slow
 
 TINY = {"arch": "mlp", "dims": [48, 32, 24, 16, 8, 4, 1], "batch_size": 64}
 BASE = {
@@ -36,6 +37,7 @@ BASE = {
 }
 
 
+@pytest.mark.slow
 def test_one_failed_cell_leaves_the_sweep_whole(tmp_path):
     proc = snakemake(
         tmp_path,
@@ -94,6 +96,7 @@ def metas(workdir):
     return {p: p.read_text() for p in (workdir / "results/runs").rglob("meta.json")}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL], ids=["SIGINT", "SIGKILL"])
 def test_interrupted_sweep_resumes_without_rerunning_finished_cells(tmp_path, sig):
     proc = snakemake(tmp_path, "--cores", "1", config=INTERRUPTED, popen=True)
@@ -140,6 +143,7 @@ def test_interrupted_sweep_resumes_without_rerunning_finished_cells(tmp_path, si
     assert (summary["status"] == "ok").all() and (summary["repeats_ok"] == 2).all()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "damage, message",
     [
@@ -186,6 +190,7 @@ def test_aggregate_refuses_untrustworthy_results_naming_the_file(tmp_path, damag
     assert not out.exists(), "nothing merged from untrustworthy input"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "over, key",
     [
@@ -227,3 +232,31 @@ def test_bad_config_fails_before_any_job_naming_the_key(tmp_path, over, key):
     assert key in out, out[-2000:]
     assert "invalid config" in out or "Error validating config file" in out
     assert not (tmp_path / "results").exists() and not (tmp_path / "logs").exists()
+
+
+@pytest.mark.parametrize(
+    "ends, code, interrupted",
+    [
+        ("sys.exit(2)", 1, False),  # argparse refused it
+        ("import parabench_missing", 1, False),  # an import error
+        ("pass", 1, False),  # exit 0, and still no record: a bug in the launch
+        ("import os, signal; os.kill(os.getpid(), signal.SIGKILL)", 130, True),
+        ("sys.exit(130)", 130, True),  # the guard, after a Ctrl-C
+    ],
+    ids=["exit-2", "import-error", "exit-0", "SIGKILL", "exit-130"],
+)
+def test_a_launch_that_ends_without_a_record_is_told_from_an_interruption(
+    tmp_path, monkeypatch, capsys, ends, code, interrupted
+):
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(tiny_config()))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sweep.doctor, "run_checks", lambda *args, **kwargs: [])
+    launch = [sys.executable, "-c", f"import sys; {ends}"]  # in place of `parabench launch`
+    monkeypatch.setattr(sweep, "launch_command", lambda *args, **kwargs: launch)
+    assert sweep.main(Path("config.yaml"), None, None, False) == code
+    said = capsys.readouterr().err
+    log = "results/logs/runs/tiny/fp32-sgd/single/n1/r0.log"
+    assert ("run again to resume" in said) == interrupted, said
+    if not interrupted:
+        assert "without recording the cell" in said and str(tmp_path / log) in said, said
+    assert not (tmp_path / "results/.parabench.lock.json").exists()  # given back

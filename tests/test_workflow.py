@@ -25,7 +25,11 @@ CONFIG = {
     "profile_steps": 4,
     "timeout_s": 60,
     "cell_timeout_s": 240,
+    # one planned rank: what a measuring job's reruns are checked on, with the ranks'
+    "plan": {"enabled": True, "strategies": ["ddp"], "world_sizes": [8]},
 }
+# Outputs of the jobs that measure: cells, collectives benchmarks, ranks alone, the plan.
+MEASURING = ("/runs/", "/collectives/", "ranks.csv", "plan.csv")
 
 
 @pytest.fixture(scope="module")
@@ -164,6 +168,43 @@ def test_second_run_does_nothing(run):
     proc = snakemake(run, "-n", config=CONFIG)
     assert proc.returncode == 0, proc.stderr
     assert "Nothing to be done" in proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("change", [{"cell_timeout_s": 999}, {"exclusive_nodes": False}])
+def test_a_setting_that_changes_no_measurement_reruns_no_measuring_job(run, change):
+    """Raising cell_timeout_s after a cell timed out: no finished measurement is redone
+    (the report, which shows the config, is rendered again)."""
+    proc = snakemake(run, "-n", config={**CONFIG, **change})
+    assert proc.returncode == 0, proc.stderr
+    redone = [p for p in planned_outputs(proc) if any(m in p for m in MEASURING)]
+    assert not redone, redone
+
+
+def test_a_plan_setting_reruns_the_plan_and_no_other_measuring_job(run):
+    plan = {**CONFIG["plan"], "world_sizes": [8, 16]}
+    proc = snakemake(run, "-n", config={**CONFIG, "plan": plan})
+    assert proc.returncode == 0, proc.stderr
+    redone = [p for p in planned_outputs(proc) if any(m in p for m in MEASURING)]
+    assert redone == ["results/plan.csv"], redone
+
+
+def test_a_measuring_setting_reruns_every_cell_it_changes(run):
+    """steps changes what each cell measures: every cell is planned again (as the sweep
+    reruns a cell whose record's settings hash differs), never kept stale."""
+    proc = snakemake(run, "-n", config={**CONFIG, "steps": CONFIG["steps"] + 1})
+    assert proc.returncode == 0, proc.stderr
+    cells = [p for p in planned_outputs(proc) if "/runs/" in p]  # one line a job
+    assert len(cells) == len(list((run / "results/runs").rglob("meta.json")))
+
+
+def test_a_rerun_cell_remeasures_no_other_measuring_job(run):
+    """Retrying one cell rewrites the merged tables (collectives.csv among them): the plan,
+    which reads the curves, is not measured again for it (they are the same curves)."""
+    cell = next((run / "results/runs").rglob("meta.json")).relative_to(run)
+    proc = snakemake(run, "-n", "--forcerun", str(cell), config=CONFIG)
+    assert proc.returncode == 0, proc.stderr
+    redone = [p for p in planned_outputs(proc) if any(m in p for m in MEASURING)]
+    assert len(redone) == 1 and str(cell) in redone[0], redone  # the cell, and only it
 
 
 def test_growing_the_config_plans_only_the_new_cells(run):

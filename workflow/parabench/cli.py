@@ -1,5 +1,5 @@
 """Command line: `parabench launch | run | launch-collectives | collectives | ranks |
-aggregate | report | compare | plan | sweep | doctor`.
+aggregate | report | compare | plan | sweep | unlock | doctor`.
 
 `launch` starts one cell however it must be started and records its outcome, whatever
 happens; `run` is what each of its processes runs. Their flags are RunSpec's fields
@@ -70,6 +70,12 @@ def _parser() -> argparse.ArgumentParser:
     agg.add_argument(
         "--ranks", type=Path, help="ranks.csv (parabench ranks), for the scaling model"
     )
+    agg.add_argument(
+        "--config-hashes",
+        nargs="+",
+        help="per --meta, the settings hash of the config's cell there: a record of other "
+        "settings is refused",
+    )
 
     rep = sub.add_parser("report", help="render report.html from the aggregated tables")
     rep.add_argument("--results", type=Path, required=True, help="directory with summary.csv")
@@ -81,7 +87,9 @@ def _parser() -> argparse.ArgumentParser:
     cmp = sub.add_parser("compare", help="run B against run A: each change with its interval")
     cmp.add_argument("a", type=Path, help="results directory of run A (the baseline)")
     cmp.add_argument("b", type=Path, help="results directory of run B")
-    cmp.add_argument("--out", type=Path, default=Path("compare.html"), help="the HTML")
+    cmp.add_argument(
+        "--out", type=Path, default=Path("compare.html"), help="the HTML (outside A and B)"
+    )
     cmp.add_argument("--csv", type=Path, help="the table (default: beside --out, .csv)")
     cmp.add_argument("--force", action="store_true", help="compare runs that differ")
     cmp.add_argument("--templates", type=Path, help="the report/ directory")
@@ -105,6 +113,7 @@ def _parser() -> argparse.ArgumentParser:
         "--collectives", type=Path, help="collectives.csv, for fabric curves (default: results')"
     )
     pln.add_argument("--out", type=Path, required=True, help="directory for plan.csv")
+    pln.add_argument("--measure", action="store_true", help=argparse.SUPPRESS)  # the child
 
     doc = sub.add_parser("doctor", help="check this environment can run a config, one line each")
     doc.add_argument(
@@ -112,6 +121,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     doc.add_argument("--config-json", default="", help="the workflow config, as JSON")
     doc.add_argument("--profile", type=Path, help="a Slurm profile directory to check")
+    doc.add_argument(
+        "--slurm-resources", default="", help="a Slurm run's default resources, as JSON"
+    )
     doc.add_argument(
         "--gpus",
         choices=("auto", "here", "later"),
@@ -126,8 +138,18 @@ def _parser() -> argparse.ArgumentParser:
     swp.add_argument("--devices", help="device counts, e.g. 1,2,4, or auto: what the GPUs allow")
     swp.add_argument("--force", action="store_true", help="rerun cells already recorded")
     swp.add_argument(
+        "--retry-failed",
+        action="store_true",
+        help="rerun the cells recorded as failed, and keep every other recorded cell",
+    )
+    swp.add_argument(
         "-n", "--dry-run", action="store_true", help="plan and list the cells, run nothing"
     )
+
+    unl = sub.add_parser(
+        "unlock", help="clear a results directory's lock whose holder is gone (a killed run)"
+    )
+    unl.add_argument("results", type=Path, help="the results directory")
     return parser
 
 
@@ -150,6 +172,11 @@ def entry() -> NoReturn:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # Every Python a command starts (a cell's ranks, torchrun's agent) leaves the working
+    # directory off sys.path: a file there (a factory's json.py, a config's colorsys.py)
+    # never shadows a module a rank imports (Python >= 3.11; the user's factory itself
+    # is loaded by its path, models/custom.py).
+    os.environ.setdefault("PYTHONSAFEPATH", "1")
     parser = _parser()
     args = parser.parse_args(argv)
     if args.command in ("run", "collectives"):  # the commands the ranks run
@@ -195,7 +222,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "sweep":
         from parabench.sweep import main as sweep
 
-        return sweep(args.config, args.results, args.devices, args.force, args.dry_run)
+        return sweep(
+            args.config, args.results, args.devices, args.force, args.dry_run, args.retry_failed
+        )
+    if args.command == "unlock":
+        return _unlock(args.results)
     if args.command == "report":
         from parabench.report import TEMPLATES, load_config, render
 
@@ -215,6 +246,7 @@ def main(argv: list[str] | None = None) -> int:
                 args.collectives,
                 args.collectives_out,
                 args.ranks,
+                args.config_hashes,
             )
         except ResultsError as e:  # one clear line naming the file, not a traceback
             print(f"parabench aggregate: refusing to merge: {e}", file=sys.stderr)
@@ -274,14 +306,15 @@ def _compare(args: argparse.Namespace) -> int:
     from parabench.records import atomic_write_bytes
     from parabench.report import TEMPLATES
 
-    try:
+    csv_out = args.csv or args.out.with_suffix(".csv")
+    try:  # before anything is read or written
+        compare.refuse_outputs_inside(args.a, args.b, {"--out": args.out, "--csv": csv_out})
         table, diffs = compare.compare(args.a, args.b, args.force)
     except compare.CompareError as e:
         print(f"parabench compare: {e}", file=sys.stderr)
         return 2
     for d in diffs:
         print(f"differs: {d}")
-    csv_out = args.csv or args.out.with_suffix(".csv")
     atomic_write_bytes(csv_out, table.to_csv(index=False).encode())
     compare.render(table, diffs, args.a, args.b, args.templates or TEMPLATES, args.out)
     for verdict, n in table["verdict"].value_counts().items():
@@ -316,6 +349,10 @@ def _doctor(args: argparse.Namespace) -> int:
         return 2
     gpus = {"auto": None, "here": True, "later": False}[args.gpus]
     slurm = doctor.profile_resources(args.profile) if args.profile else None
+    if args.slurm_resources:
+        import json
+
+        slurm = json.loads(args.slurm_resources)
     found = doctor.run_checks(config, Path.cwd(), slurm, gpus)
     text = "\n".join(c.line() for c in found) + "\n"
     print(text, end="", flush=True)
@@ -325,6 +362,17 @@ def _doctor(args: argparse.Namespace) -> int:
         atomic_write_bytes(args.out, text.encode())
     if bad := doctor.failed(found):
         print(f"parabench doctor: {len(bad)} check(s) failed", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _unlock(results: Path) -> int:
+    from parabench.lock import LockHeld, unlock
+
+    try:
+        print(f"parabench unlock: {unlock(results)}")
+    except LockHeld as e:
+        print(f"parabench unlock: {e}", file=sys.stderr)
         return 1
     return 0
 
@@ -371,8 +419,16 @@ def _plan(args: argparse.Namespace) -> int:
     except (ConfigError, FabricError) as e:
         print(f"parabench plan: {e}", file=sys.stderr)
         return 2
+    if not args.measure:  # the guard: always a row per planned rank, whatever the child does
+        from parabench.launch import launch_plan
+
+        fields = {"scaling": config["plan"]["scaling"], "fabric": fabric.name}
+        fields["fabric_source"] = fabric.source
+        launch_plan(config, args.out, args.collectives, fields)
+        print(f"plan: {args.out / 'plan.csv'} (fabric {fabric.name})")
+        return 0
+    faulthandler.enable()  # a rank killed in native code: where Python was, in the log
     from parabench.plan import run_plan
 
     run_plan(config, fabric, args.out)
-    print(f"plan: {args.out / 'plan.csv'} (fabric {fabric.name})")
     return 0

@@ -10,7 +10,8 @@ import copy
 import functools
 import itertools
 import math
-from dataclasses import dataclass
+from collections.abc import Iterable
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import yaml
@@ -86,8 +87,8 @@ def as_integers(data, schema: dict):
 
 
 def checked(data: dict) -> dict:
-    """`data` checked against the schema (where jsonschema is installed: it comes with
-    Snakemake), with the schema's defaults filled in; ConfigError names the key."""
+    """`data` checked against the schema, with the schema's defaults filled in;
+    ConfigError names the key."""
     if why := schema_problem(data):
         raise ConfigError(why)
     schema = load_schema()
@@ -97,11 +98,15 @@ def checked(data: dict) -> dict:
 def schema_problem(data: dict) -> str | None:
     """The config's first break of the schema in one line naming the key (jsonschema's
     own message prints the whole schema after it), or None."""
-    schema = load_schema()
     try:
-        import jsonschema
-    except ImportError:  # e.g. a GPU image without Snakemake; problems() still runs
-        return None
+        import jsonschema  # a dependency (pyproject): a config is never run unchecked
+    except ImportError:  # PYTHONPATH=workflow on an image that lacks it (make gpu-check)
+        raise ConfigError(
+            "jsonschema is not installed, and parabench checks every config with it: "
+            "pip install jsonschema (or pip install -e . to get every dependency)"
+        ) from None
+
+    schema = load_schema()
     validator = jsonschema.validators.validator_for(schema)(schema)
     if error := jsonschema.exceptions.best_match(validator.iter_errors(data)):
         where = ".".join(map(str, error.absolute_path)) or "(top level)"
@@ -209,6 +214,36 @@ def rank_key(spec: RunSpec, rank: int) -> dict:
     return {**variant, "strategy": spec.strategy, "devices": spec.devices, "rank": rank}
 
 
+def planned_specs(config: dict) -> list[RunSpec]:
+    """Every rank `parabench plan` plans (rank 0 of a world of N): each model x strategy
+    at the planned world sizes, at the plan's scaling."""
+    plan = config["plan"]
+    return [
+        replace(spec_for(config, model, strategy, n, 0), scaling=plan["scaling"])
+        for model in plan.get("models") or list(config["models"])
+        for strategy in plan["strategies"]
+        for n in plan["world_sizes"]
+    ]
+
+
+def plan_key(spec: RunSpec) -> dict:
+    """A plan.csv row's key: the planned rank's variant, strategy and world size."""
+    variant = {"model": spec.model_name, "precision": spec.precision}
+    variant.update(optimizer=spec.optimizer, compile=spec.compile)
+    return {**variant, "strategy": spec.strategy, "world_size": spec.devices}
+
+
+def measures(ranks: Iterable[tuple[RunSpec, int]]) -> list[str]:
+    """What a job that measures these ranks (the ranks job: alone_ranks; the plan:
+    planned_specs, rank 0) measures, a line per rank: its cell, rank and settings hash.
+    The workflow's rules compare this, and nothing else of the config (Snakemake's
+    params trigger), so the job reruns when what it measures changes and only then: a
+    changed cell_timeout_s, exclusive_nodes, repeats or another job's settings (the
+    plan's, for the ranks job) reruns none of it. The hash is the one a cell's record
+    carries (RunSpec.config_hash), so these jobs rerun where the sweep reruns a cell."""
+    return [f"{spec.path} rank {rank} {spec.config_hash()}" for spec, rank in ranks]
+
+
 def problems(config: dict, workdir: Path | None = None) -> list[str]:
     """Rules the schema cannot express, each message naming the key. Empty = valid."""
     out: list[str] = []
@@ -226,6 +261,8 @@ def problems(config: dict, workdir: Path | None = None) -> list[str]:
     for s in config.get("options") or {}:
         if s not in CATALOG:
             out.append(f"options.{s}: not a strategy; known: {list(STRATEGIES)}")
+    if out:  # the cells cannot be planned: the plan's checks would plan them
+        return out
     out += plan_problems(config, workdir)
     if out:
         return out
@@ -233,6 +270,9 @@ def problems(config: dict, workdir: Path | None = None) -> list[str]:
     # cells (batch not divisible at 4 devices) names them.
     where: dict[str, list[str]] = {}
     all_cells = [c.spec for c in cells(config) if c.spec.repeat == 0]
+    for s in all_cells:  # the schema's model-name pattern refuses these first
+        if Path(s.path).is_absolute() or ".." in Path(s.path).parts:
+            out.append(f"models.{s.model_name}: its cells' directory {s.path} leaves results/")
     for s in all_cells:
         for p in checks.problems(s):
             at = f"models.{s.model_name} / {s.strategy} at devices={s.devices}"

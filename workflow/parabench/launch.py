@@ -1,6 +1,8 @@
 """Every launch, built in one place: a cell (one process, torchrun's ranks on one node,
 or one torchrun agent per node under srun) and the collectives benchmark, each under
-`guard`, which records a failure when the launch leaves no record.
+`guard`, which records a failure when the launch leaves no record; the ranks measured
+alone and the plan, each a child process under `guard_table`, which leaves a row for
+every rank whatever the child does.
 
 `parabench launch` (a cell) and `parabench launch-collectives` run these; the
 workflow's rules and `parabench sweep` call those two commands, so a cell starts the
@@ -11,8 +13,10 @@ its spec's `ranks`). Torch-free: it starts in milliseconds and survives a broken
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from parabench.spec import RunSpec
@@ -42,12 +46,44 @@ def cell_argv(spec: RunSpec, out: Path | str, python: str = "python") -> list[st
     return [*head, "-m", "parabench", "run", *spec.to_argv(), "--out", str(out)]
 
 
+def rendezvous_port(rng=None, tries: int = 100) -> int:
+    """A TCP port for the c10d rendezvous, chosen now, free on this host when checked.
+
+    This runs in the batch script, which Slurm runs on the allocation's first node,
+    where the rendezvous listens. Random (the `secrets` generator unless `rng` is given,
+    for tests), so no other job can predict it or be handed the same one by formula;
+    from 20000 up to the kernel's ephemeral range (ip_local_port_range), which it leaves
+    to outgoing connections. Checked by binding it; between that and torchrun's bind
+    another process may take it, the race torchrun's own `get_free_port` accepts. Where
+    the ephemeral range leaves no room, or every try is taken, the kernel's free port."""
+    import secrets
+    import socket
+
+    low = 20000
+    try:
+        start = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0]
+        high = int(start) - 1
+    except (OSError, IndexError, ValueError):  # not Linux: below IANA's ephemeral range
+        high = 49151
+    rng = rng or secrets.SystemRandom()
+    candidates = [rng.randint(low, high) for _ in range(tries)] if high > low else []
+    for port in [*candidates, 0]:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("", port))
+            except OSError:  # in use here
+                continue
+            return s.getsockname()[1]
+    raise OSError("no free TCP port for the rendezvous")
+
+
 def multinode_argv(spec: RunSpec, out: Path | str, python: str = "python") -> list[str]:
     """The cell as one torchrun agent per node of the Slurm allocation, started by
     srun, meeting at a c10d rendezvous on the allocation's first node, keyed by the job
-    id (so concurrent jobs never meet each other). Reads the allocation from Slurm's
-    environment; `mpi` in the rule's resources stops the Slurm plugin from wrapping
-    the command in an srun of its own."""
+    id (so concurrent jobs never meet each other), at a port chosen when it launches
+    (`rendezvous_port`). Reads the allocation from Slurm's environment; `mpi` in the
+    rule's resources stops the Slurm plugin from wrapping the command in an srun of its
+    own."""
     job = os.environ["SLURM_JOB_ID"]
     hosts = subprocess.run(
         ["scontrol", "show", "hostnames", os.environ["SLURM_JOB_NODELIST"]],
@@ -55,7 +91,7 @@ def multinode_argv(spec: RunSpec, out: Path | str, python: str = "python") -> li
         text=True,
         check=True,
     ).stdout.split()
-    port = 20000 + int(job) % 20000
+    port = rendezvous_port()
     per_node = spec.devices // spec.nodes
     srun = ["srun", f"--nodes={spec.nodes}", "--ntasks-per-node=1", "--kill-on-bad-exit=1"]
     torchrun = [
@@ -78,7 +114,8 @@ def collectives_argv(
     out: Path | str,
     python: str = "python",
 ) -> list[str]:
-    """The collectives benchmark at `devices` ranks (always torchrun: it needs n > 1)."""
+    """The collectives benchmark at `devices` ranks (always torchrun, one rank too: on CUDA
+    that runs NCCL's path on one GPU)."""
     args = ["--devices", str(devices), "--message-bytes", ",".join(map(str, message_bytes))]
     args += ["--device", device, "--timeout-s", f"{timeout_s:g}", "--out", str(out)]
     return [*_torchrun(python, devices), "-m", "parabench", "collectives", *args]
@@ -113,6 +150,33 @@ def launch_collectives_command(
         "--cell-timeout-s",
         f"{cell_timeout_s:g}",
     ]
+
+
+def collectives_settings(message_bytes: list[int], device: str) -> dict:
+    """What a collectives benchmark measures with, as its meta.json records it: a sweep
+    reruns one recorded with other settings, and the workflow's rule compares the same.
+    Not its timeout: raising one after it ran out reruns nothing."""
+    return {"message_bytes": [int(b) for b in message_bytes], "device": device}
+
+
+def ranks_command(config: dict, out: Path | str, python: str = "python") -> list[str]:
+    """`parabench ranks ...`: the ranks job's command for the rule and the sweep."""
+    return [python, "-m", "parabench", "ranks", *_config_args(config), "--out", str(out)]
+
+
+def plan_command(
+    config: dict, out: Path | str, collectives: Path | str | None = None, python: str = "python"
+) -> list[str]:
+    """`parabench plan ...`: the plan's command for the rule and the sweep; `collectives`:
+    the curves to read (fabric `curves`)."""
+    curves = ["--collectives", str(collectives)] if collectives else []
+    return [python, "-m", "parabench", "plan", *_config_args(config), *curves, "--out", str(out)]
+
+
+def _config_args(config: dict) -> list[str]:
+    import json
+
+    return ["--config-json", json.dumps(config, sort_keys=True)]
 
 
 def launch_cell(spec: RunSpec, out: Path, cell_timeout_s: float) -> int:
@@ -153,51 +217,117 @@ def launch_collectives(
     out: Path,
     cell_timeout_s: float,
 ) -> int:
-    """Start the collectives benchmark; a failure leaves a `failed` meta.json."""
+    """Start the collectives benchmark; a failure leaves a `failed` meta.json. Either
+    record holds the settings it ran with (collectives_settings)."""
+    import json
+
     from parabench.guard import guard
+    from parabench.records import write_meta
 
     argv = collectives_argv(devices, message_bytes, device, timeout_s, out, sys.executable)
-    fields = {"kind": "collectives", "devices": devices}
-    return guard(out, argv, cell_timeout_s, fields, ranks=devices)
+    settings = collectives_settings(message_bytes, device)
+    fields = {"kind": "collectives", "devices": devices, "settings": settings}
+    code = guard(out, argv, cell_timeout_s, fields, ranks=devices)
+    meta = out / "meta.json"
+    if meta.exists():  # rank 0 wrote it: add what the benchmark's processes do not know
+        recorded = json.loads(meta.read_text())
+        if recorded.get("settings") != settings:
+            write_meta(meta, {**recorded, "settings": settings})
+    return code
+
+
+def guard_table(
+    argv: list[str],
+    path: Path,
+    columns: tuple[str, ...],
+    key: tuple[str, ...],
+    wanted: list[dict],
+    timeout_s: float,
+    what: str,
+    resumes: bool = False,
+) -> str | None:
+    """Run `argv`, a child that measures the `wanted` rows (their keys) in that order and
+    rewrites the CSV `path` atomically after each, and make sure the table ends with a
+    row for every one. Where the child crashed, was killed or ran past `timeout_s`, the
+    row it was measuring (the first it had not written) is a failed row that says how,
+    and so is each row it never reached. A child that `resumes` (skips the rows already
+    in the table) and was killed by the kernel (the OOM killer's SIGKILL, a crash in
+    native code) is started again for the rest instead. Returns how the child last ended (None: it
+    finished); what goes on is left to the caller, whose table is whole."""
+    from parabench.guard import describe_exit
+    from parabench.records import read_rows, write_rows
+
+    path.unlink(missing_ok=True)  # never a stale row
+    path.parent.mkdir(parents=True, exist_ok=True)
+    deadline = time.monotonic() + timeout_s
+
+    def key_of(row: dict) -> tuple[str, ...]:
+        return tuple(str(row[k]) for k in key)
+
+    def failed(row: dict, why: str) -> dict:
+        return {**row, "status": "failed", "reason": f"the {what} process {why} (logs/{what}.log)"}
+
+    while True:
+        try:
+            left = max(0.0, deadline - time.monotonic())
+            code = subprocess.run(argv, timeout=left, check=False).returncode
+            why = None if code == 0 else f"ended ({describe_exit(code)})"
+        except subprocess.TimeoutExpired:
+            code = None
+            why = f"ran past its {timeout_s:g} s and was killed (cell_timeout_s sets it)"
+        rows = read_rows(path)
+        done = {key_of(r) for r in rows}
+        missing = [row for row in wanted if key_of(row) not in done]
+        if not missing:
+            break
+        if why is None:
+            rows += [failed(row, "wrote no row for it") for row in missing]
+            break
+        rows.append(failed(missing[0], f"{why} while measuring it"))
+        # a signal the kernel sends (SIGKILL of the OOM killer, SIGSEGV, SIGABRT), not
+        # one a person or the scheduler sends to stop the job
+        killed = code is not None and code < 0 and -code not in (signal.SIGINT, signal.SIGTERM)
+        if resumes and killed and len(missing) > 1:
+            write_rows(path, columns, rows)
+            print(f"{what}: {why}; again, for the {len(missing) - 1} rows left", flush=True)
+            continue
+        rows += [failed(row, f"{why} before it was measured") for row in missing[1:]]
+        break
+    write_rows(path, columns, rows)
+    print(f"{what}: {path} ({len(rows)} rows; the process {why or 'finished'})", flush=True)
+    return why
 
 
 def launch_ranks(config: dict, out: Path) -> int:
     """`parabench ranks`: measure one rank of each multi-rank cell alone (ranks.py) in
-    a child process, and make sure out/ranks.csv ends with a row for every rank. The
-    child rewrites the table after each rank; where it crashed, was killed or ran past
-    its time (cell_timeout_s for each cell's ranks), the ranks it never measured get a
-    row that says so. Returns 0: the sweep goes on to its summary and report."""
-    import json
-
+    a child process under guard_table, so out/ranks.csv ends with a row for every rank
+    (cell_timeout_s for each cell's ranks). Returns 0: the sweep goes on to its summary
+    and report."""
     from parabench.config import alone_ranks, rank_key
-    from parabench.guard import describe_exit
-    from parabench.records import RANK_COLUMNS, RANK_KEY, write_rows
+    from parabench.records import RANK_COLUMNS, RANK_KEY
 
-    wanted = alone_ranks(config)
-    path = out / "ranks.csv"
-    path.unlink(missing_ok=True)  # never a stale row
+    ranks = alone_ranks(config)
+    wanted = [rank_key(spec, rank) for spec, rank in ranks]
+    timeout = config["cell_timeout_s"] * max(1, len({spec for spec, _ in ranks}))
+    argv = [*ranks_command(config, out, sys.executable), "--measure"]
     out.mkdir(parents=True, exist_ok=True)
-    cells = len({spec for spec, _ in wanted})
-    timeout = config["cell_timeout_s"] * max(1, cells)
-    argv = [sys.executable, "-m", "parabench", "ranks", "--measure"]
-    argv += ["--config-json", json.dumps(config), "--out", str(out)]
-    try:
-        code = subprocess.run(argv, timeout=timeout, check=False).returncode
-        why = None if code == 0 else f"ended ({describe_exit(code)})"
-    except subprocess.TimeoutExpired:
-        why = f"ran past its {timeout:g} s (cell_timeout_s for each cell's ranks) and was killed"
-    rows = []
-    if path.exists():
-        import csv
+    guard_table(argv, out / "ranks.csv", RANK_COLUMNS, RANK_KEY, wanted, timeout, "ranks")
+    return 0
 
-        with open(path, newline="") as f:
-            rows = list(csv.DictReader(f))
-    done = {tuple(str(r[k]) for k in RANK_KEY) for r in rows}
-    for spec, rank in wanted:
-        key = rank_key(spec, rank)
-        if tuple(str(key[k]) for k in RANK_KEY) not in done:
-            reason = f"the ranks process {why or 'wrote no row for it'} before it was measured"
-            rows.append({**key, "status": "failed", "reason": reason + " (logs/ranks.log)"})
-    write_rows(path, RANK_COLUMNS, rows)
-    print(f"ranks: {path} ({len(rows)} ranks; the process {why or 'finished'})", flush=True)
+
+def launch_plan(config: dict, out: Path, collectives: Path | None, fields: dict) -> int:
+    """`parabench plan`: plan every rank (plan.py) in a child process under guard_table,
+    which starts it again after a rank that killed it (cell_timeout_s for each planned
+    rank in all), so out/plan.csv ends with a row for every planned rank. `fields`: what
+    each row carries whatever its rank did (the fabric's name and source, the scaling).
+    Returns 0: the sweep goes on to its report."""
+    from parabench.config import plan_key, planned_specs
+    from parabench.records import PLAN_COLUMNS, PLAN_KEY
+
+    specs = planned_specs(config)
+    wanted = [{**plan_key(spec), **fields} for spec in specs]
+    timeout = config["cell_timeout_s"] * max(1, len(specs))
+    argv = [*plan_command(config, out, collectives, sys.executable), "--measure"]
+    out.mkdir(parents=True, exist_ok=True)
+    guard_table(argv, out / "plan.csv", PLAN_COLUMNS, PLAN_KEY, wanted, timeout, "plan", True)
     return 0

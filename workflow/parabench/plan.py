@@ -31,50 +31,16 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import replace
 from pathlib import Path
 
 import pandas as pd
 
 from parabench import checks, envinfo
-from parabench.config import spec_for
+from parabench.config import plan_key, planned_specs
 from parabench.fabric import Fabric
-from parabench.ranks import measured
-from parabench.records import atomic_write_bytes
+from parabench.records import PLAN_COLUMNS, PLAN_KEY, read_rows, write_rows
 from parabench.scaling import bubble_time, critical_comm
 from parabench.spec import RunSpec
-
-COLUMNS = (
-    "model",
-    "precision",
-    "optimizer",
-    "compile",
-    "strategy",
-    "world_size",
-    "status",
-    "reason",
-    "scaling",
-    "samples_per_rank",
-    "tokens_per_sample",
-    "threads",
-    "params_bytes_per_rank",
-    "grads_bytes_per_rank",
-    "optimizer_bytes_per_rank",
-    "peak_memory_bytes",
-    "device_memory_bytes",
-    "fits",
-    "compute_s",
-    "comm_bytes_per_step",
-    "collectives_per_step",
-    "comm_by_op",
-    "comm_s",
-    "bubble_s",
-    "predicted_step_s",
-    "samples_per_s_per_device",
-    "scaling_efficiency",
-    "fabric",
-    "fabric_source",
-)
 
 
 def _fits(peak: int, memory: int | None) -> bool | None:
@@ -105,33 +71,27 @@ def predict(row: dict, spec: RunSpec, fabric: Fabric) -> dict:
     }
 
 
-def planned_specs(config: dict) -> list[RunSpec]:
-    """Every planned rank: each model x strategy at the planned world sizes, at the
-    plan's scaling."""
-    plan = config["plan"]
-    return [
-        replace(spec_for(config, model, strategy, n, 0), scaling=plan["scaling"])
-        for model in plan.get("models") or list(config["models"])
-        for strategy in plan["strategies"]
-        for n in plan["world_sizes"]
-    ]
-
-
 def run_plan(config: dict, fabric: Fabric, out: Path) -> pd.DataFrame:
-    """Plan every rank of `config`'s plan, predict it on `fabric`, write out/plan.csv.
-    A rank that fails is a row that says why (an allocation failure: it does not fit),
-    never a lost plan."""
+    """Plan every rank of `config`'s plan, predict it on `fabric`, and rewrite
+    out/plan.csv (atomically) after each, so a crash loses none planned before it. A
+    rank that fails is a row that says why (an allocation failure: it does not fit);
+    rows already in out/plan.csv are kept, not planned again: launch.launch_plan, which
+    runs this in a child, starts it again after a rank that killed it, having recorded
+    that rank as failed."""
+    from parabench.ranks import measured  # torch: only in the process that measures
+
     cores = envinfo.usable_cores()
-    rows = []
-    for spec in planned_specs(config):
+    path = out / "plan.csv"
+    wanted = planned_specs(config)
+    keys = {_key(plan_key(spec)) for spec in wanted}
+    rows = [row for row in read_rows(path) if _key(row) in keys]
+    done = {_key(row) for row in rows}
+    for spec in wanted:
+        if _key(plan_key(spec)) in done:
+            continue
         n = spec.devices
         base = {
-            "model": spec.model_name,
-            "precision": spec.precision,
-            "optimizer": spec.optimizer,
-            "compile": spec.compile,
-            "strategy": spec.strategy,
-            "world_size": n,
+            **plan_key(spec),
             "scaling": spec.scaling,
             "fabric": fabric.name,
             "fabric_source": fabric.source,
@@ -140,22 +100,26 @@ def run_plan(config: dict, fabric: Fabric, out: Path) -> pd.DataFrame:
         problem = checks.problems(spec, launching=False) or [checks.static_skip_reason(spec)]
         if spec.record.ranks(n) == 1:
             problem = [f"{spec.strategy} runs in one process: no world of {n} ranks to plan"]
-        if any(problem):
-            rows.append({**base, "status": "skipped", "reason": "; ".join(filter(None, problem))})
-            continue
         t0 = time.perf_counter()
-        row = {**base, **measured(spec, cores)}
-        if row["status"] == "ok":
-            row.update(predict(row, spec, fabric))
-            row["comm_by_op"] = json.dumps(row["comm_by_op"], sort_keys=True)
+        if any(problem):
+            row = {**base, "status": "skipped", "reason": "; ".join(filter(None, problem))}
+        else:
+            row = {**base, **measured(spec, cores)}
+            if row["status"] == "ok":
+                row.update(predict(row, spec, fabric))
+                row["comm_by_op"] = json.dumps(row["comm_by_op"], sort_keys=True)
         rows.append(row)
-        print(
-            f"plan {spec.model_name} {spec.strategy} N={n}: {row['status']}"
-            f"{' ' + row['reason'] if row.get('reason') else ''} "
-            f"[{time.perf_counter() - t0:.1f} s]",
-            flush=True,
-        )
-    table = pd.DataFrame(rows).reindex(columns=list(COLUMNS))
-    out.mkdir(parents=True, exist_ok=True)
-    atomic_write_bytes(out / "plan.csv", table.to_csv(index=False).encode())
-    return table
+        write_rows(path, PLAN_COLUMNS, rows)
+        if row["status"] != "skipped":
+            print(
+                f"plan {spec.model_name} {spec.strategy} N={n}: {row['status']}"
+                f"{' ' + row['reason'] if row.get('reason') else ''} "
+                f"[{time.perf_counter() - t0:.1f} s]",
+                flush=True,
+            )
+    write_rows(path, PLAN_COLUMNS, rows)  # also when nothing was left to plan
+    return pd.read_csv(path)
+
+
+def _key(row: dict) -> tuple[str, ...]:
+    return tuple(str(row[k]) for k in PLAN_KEY)

@@ -16,7 +16,7 @@ import tempfile
 import time
 from pathlib import Path
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 STATUSES = ("ok", "skipped", "failed", "diverged")
 # Statuses whose cells ran their steps (steps.csv holds them): a diverged cell's loss
 # became NaN or inf, so its times are kept but never ranked, its parameters never compared.
@@ -74,6 +74,45 @@ RANK_COLUMNS = (
     "optimizer_bytes_per_rank",
     "peak_memory_bytes",
 )
+
+
+# plan.csv (plan.py): one row per planned rank, rank 0 of a world of N
+PLAN_KEY = (*VARIANT_KEYS, "strategy", "world_size")
+PLAN_COLUMNS = (
+    *PLAN_KEY,
+    "status",
+    "reason",
+    "scaling",
+    "samples_per_rank",
+    "tokens_per_sample",
+    "threads",
+    "params_bytes_per_rank",
+    "grads_bytes_per_rank",
+    "optimizer_bytes_per_rank",
+    "peak_memory_bytes",
+    "device_memory_bytes",
+    "fits",
+    "compute_s",
+    "comm_bytes_per_step",
+    "collectives_per_step",
+    "comm_by_op",
+    "comm_s",
+    "bubble_s",
+    "predicted_step_s",
+    "samples_per_s_per_device",
+    "scaling_efficiency",
+    "fabric",
+    "fabric_source",
+)
+
+
+def read_rows(path: Path) -> list[dict]:
+    """The rows of a CSV that write_rows wrote, as strings; none if it does not exist."""
+    try:
+        with open(path, newline="") as f:
+            return list(csv.DictReader(f))
+    except FileNotFoundError:
+        return []
 
 
 def write_rows(path: Path, columns: tuple[str, ...], rows: list[dict]) -> None:

@@ -4,18 +4,25 @@ For machines that have torch but not Snakemake (a GPU node's image, a container)
 for the GPU check. It plans the same cells from the same config, checks them the same
 way, starts each with the same `parabench launch` command as the workflow's rule, then
 aggregates and renders the same report. A cell whose record exists with the same
-settings is kept, so an interrupted sweep resumes; Snakemake remains the way to run
-on a cluster (scheduling, job groups, Slurm).
+settings is kept, so an interrupted sweep resumes (`--retry-failed` reruns the failed
+ones); so is a collectives benchmark run with the same settings, and the ranks and plan
+tables while what they measure is unchanged. Like a Snakemake run, it holds the results
+directory's lock while it runs (parabench.lock). Snakemake remains the way to run on a
+cluster (scheduling, job groups, Slurm).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import shlex
 import subprocess
 import sys
 from pathlib import Path
 
-from parabench import doctor, records
+import yaml
+
+from parabench import doctor, lock, records
 from parabench.catalog import CATALOG, ONE_PROCESS
 from parabench.config import (
     ConfigError,
@@ -24,10 +31,23 @@ from parabench.config import (
     collective_bytes,
     collective_devices,
     load_config,
+    load_schema,
+    measures,
+    plan_key,
+    planned_specs,
     problems,
+    rank_key,
     skipped,
 )
-from parabench.launch import launch_collectives_command, launch_command
+from parabench.fabric import PROFILES
+from parabench.launch import (
+    collectives_settings,
+    launch_collectives_command,
+    launch_command,
+    plan_command,
+    ranks_command,
+)
+from parabench.records import PLAN_KEY, RANK_KEY
 
 
 def visible_gpus() -> list[int]:
@@ -38,11 +58,26 @@ def visible_gpus() -> list[int]:
     return sorted({2**i for i in range(have.bit_length()) if 2**i <= have} | {have} - {0})
 
 
-def _done(meta: Path, config_hash: str) -> bool:
+def _done(meta: Path, config_hash: str, retry_failed: bool = False) -> bool:
+    """Whether the cell is recorded with these settings (and, with `retry_failed`, did
+    not fail): kept, not run again."""
     try:
-        return records.read_meta(meta).get("config_hash") == config_hash
+        recorded = records.read_meta(meta)
     except records.ResultsError:
         return False
+    if retry_failed and recorded["status"] == "failed":
+        return False
+    return recorded.get("config_hash") == config_hash
+
+
+def _benchmarked(out: Path, settings: dict) -> bool:
+    """Whether the collectives benchmark in `out` ran, with these settings."""
+    try:
+        meta = json.loads((out / "meta.json").read_text())
+    except (OSError, ValueError):
+        return False
+    ran = meta.get("status") == "ok" and (out / "collectives.csv").exists()
+    return ran and meta.get("settings") == settings
 
 
 def _logged(argv: list[str], log: Path) -> int:
@@ -70,22 +105,73 @@ def dry_run(config: dict) -> list[str]:
     return lines
 
 
-def sweep(config: dict, workdir: Path, force: bool = False, dry: bool = False) -> Path | None:
-    """Run every cell of `config` not yet recorded, then aggregate and report. Returns
-    the report's path; `dry`: print the plan and run nothing (None)."""
-    found = problems(config, workdir)
+class Interrupted(Exception):
+    """A cell's launch was stopped (Ctrl-C, a signal): nothing of it is recorded."""
+
+
+class LaunchFailed(Exception):
+    """A cell's launch ended on its own without recording the cell, which its guard
+    always does: it could not start (a bad argument, an import error), or a bug."""
+
+
+def sweep(
+    config: dict,
+    workdir: Path,
+    force: bool = False,
+    dry: bool = False,
+    retry_failed: bool = False,
+    command: str | None = None,
+) -> Path | None:
+    """Run every cell of `config` not yet recorded (`force`: every cell; `retry_failed`:
+    the failed ones too), then aggregate and report, holding the results directory's
+    lock in the name of `command` (lock.LockHeld if another run holds it). Returns the
+    report's path; `dry`: print the plan and run nothing, and take no lock (None)."""
+    found = problems(config, workdir)  # first: it refuses a results path outside workdir
     if found:
         raise ConfigError("invalid config:\n  - " + "\n  - ".join(found))
     if dry:
         print("\n".join(dry_run(config)), flush=True)
         return None
-    # The preflight: every check here, where the cells run (parabench.doctor).
-    checked = doctor.run_checks(config, workdir, gpus=True)
-    for check in checked:
-        print(f"doctor: {check.line()}", flush=True)
-    if doctor.failed(checked):
-        raise ConfigError("this environment cannot run this config (the FAIL lines above)")
+    with lock.held(workdir / config["results"], command) as held:
+        if held.took_over:
+            print(f"lock: took over the lock of {held.took_over}, which is gone", flush=True)
+        return _run(config, workdir, force, retry_failed)
+
+
+def _run(config: dict, workdir: Path, force: bool, retry_failed: bool) -> Path:
+    """The sweep's jobs in the workflow's order; returns the report's path."""
+    _preflight(config, workdir)
     results = workdir / config["results"]
+    metas = _run_cells(config, results, force, retry_failed)
+    benches = _run_collectives(config, results, force)
+    ranks = _run_ranks(config, results, force, retry_failed)
+    if config["plan"]["enabled"]:
+        # after the collectives, merged: the fabric `curves` reads them
+        _aggregate(config, results, metas, benches, ranks)
+        _run_plan(config, workdir, results, force, retry_failed)
+    _aggregate(config, results, metas, benches, ranks)
+    return _render(config, results)
+
+
+def _preflight(config: dict, workdir: Path) -> None:
+    """Every check of the doctor, here where the cells run, in a process of its own (the
+    CUDA context its GPU checks open ends with it, not with the sweep); ConfigError if
+    one fails."""
+    lines, ok = doctor.in_child(config, sys.executable, gpus=True, cwd=workdir)
+    for line in lines:
+        print(f"doctor: {line}", flush=True)
+    if not ok:
+        raise ConfigError("this environment cannot run this config (the FAIL lines above)")
+
+
+def _interrupted(code: int) -> bool:
+    """Whether a launch's exit code says a signal stopped it: killed by one (negative),
+    or it ended on one (128 + its number, what the guard returns when interrupted)."""
+    return code < 0 or code >= 128
+
+
+def _run_cells(config: dict, results: Path, force: bool, retry_failed: bool) -> list[Path]:
+    """Launch each cell not recorded with its settings; returns every cell's meta.json."""
     planned = cells(config)
     metas = []
     for i, cell in enumerate(planned, 1):
@@ -93,53 +179,135 @@ def sweep(config: dict, workdir: Path, force: bool = False, dry: bool = False) -
         meta = out / "meta.json"
         metas.append(meta)
         label = f"[{i}/{len(planned)}] {cell.path}"
-        if not force and _done(meta, spec.config_hash()):
+        if not force and _done(meta, spec.config_hash(), retry_failed):
             print(f"{label}: recorded, kept", flush=True)
             continue
         argv = launch_command(spec, out, config["cell_timeout_s"], python=sys.executable)
-        _logged(argv, results / "logs" / f"{cell.path}.log")
+        log = results / "logs" / f"{cell.path}.log"
+        code = _logged(argv, log)
+        if not meta.exists():  # the guard records every end but an interruption
+            if _interrupted(code):
+                raise Interrupted(f"{label}: stopped (exit code {code}), nothing recorded")
+            raise LaunchFailed(
+                f"{label}: its launch ended (exit code {code}) without recording the cell, "
+                f"which it always does: it could not start, or this is a bug in the launch; "
+                f"its output is in {log}"
+            )
         status = records.read_meta(meta)
         print(f"{label}: {status['status']} {status.get('reason') or ''}".rstrip(), flush=True)
+    return metas
 
+
+def _run_collectives(config: dict, results: Path, force: bool) -> list[Path]:
+    """Run each collectives benchmark not run with these settings; returns every one's
+    meta.json."""
     benches = []
+    sizes, device, timeout_s = collective_bytes(config), config["device"], config["timeout_s"]
     for n in collective_devices(config):
         out = results / "collectives" / f"n{n}"
         benches.append(out / "meta.json")
-        if not force and (out / "collectives.csv").exists():
+        # kept only if it ran with these settings: other message sizes are other curves
+        if not force and _benchmarked(out, collectives_settings(sizes, device)):
+            print(f"collectives at {n} ranks: ran with these settings, kept", flush=True)
             continue
         argv = launch_collectives_command(
-            n,
-            collective_bytes(config),
-            config["device"],
-            config["timeout_s"],
-            out,
-            config["cell_timeout_s"],
-            python=sys.executable,
+            n, sizes, device, timeout_s, out, config["cell_timeout_s"], python=sys.executable
         )
         log = results / "logs" / "collectives" / f"n{n}.log"
         _logged(argv, log)
         print(f"collectives at {n} ranks: {log}", flush=True)
+    return benches
 
-    # Each in a process of its own, as a cell is, so this one never imports torch; a
-    # stale table never reaches the report.
-    as_json = ["--config-json", json.dumps(config), "--out", str(results)]
-    ranks = results / "ranks.csv"
-    ranks.unlink(missing_ok=True)
-    if alone_ranks(config):
-        log = results / "logs" / "ranks.log"
-        code = _logged([sys.executable, "-m", "parabench", "ranks", *as_json], log)
-        print(f"ranks: {ranks}" if code == 0 else f"ranks failed: {log}", flush=True)
 
-    if config["plan"]["enabled"]:
-        # after the collectives: the fabric `curves` reads them
-        _aggregate(config, results, metas, benches, ranks)
-        (results / "plan.csv").unlink(missing_ok=True)
-        curves = ["--collectives", str(results / "collectives.csv")]
-        log = results / "logs" / "plan.log"
-        code = _logged([sys.executable, "-m", "parabench", "plan", *as_json, *curves], log)
-        print(f"plan: {results / 'plan.csv'}" if code == 0 else f"plan failed: {log}", flush=True)
+# The ranks job and the plan run in processes of their own, by the workflow rules'
+# commands, each under a guard (launch.guard_table): a rank that crashes or hangs ends
+# as a row that says so, not as the sweep's end. Each table is kept while what it
+# measures is unchanged (config.measures, what the rules rerun on): those lines are
+# stored beside it (ranks.measures, plan.measures) once its job has ended well.
+def _run_ranks(config: dict, results: Path, force: bool, retry_failed: bool) -> Path:
+    """The ranks job (ranks.csv), unless its table measures these ranks; returns the
+    table's path (absent where no cell runs several ranks: none stale is left)."""
+    table = results / "ranks.csv"
+    alone = alone_ranks(config)
+    if not alone:
+        table.unlink(missing_ok=True)
+        _measures_file(table).unlink(missing_ok=True)
+        return table
+    wanted = [rank_key(spec, rank) for spec, rank in alone]
+    lines = measures(alone)
+    if not force and _kept(table, RANK_KEY, wanted, lines, retry_failed):
+        print(f"ranks: measured with these settings, kept ({table})", flush=True)
+    else:
+        _measure("ranks", ranks_command(config, results, sys.executable), table, lines)
+    return table
 
-    _aggregate(config, results, metas, benches, ranks)
+
+def _run_plan(config: dict, workdir: Path, results: Path, force: bool, retry_failed: bool) -> None:
+    """The plan (plan.csv), unless its table plans these ranks on this fabric."""
+    table = results / "plan.csv"
+    planned = planned_specs(config)
+    wanted = [plan_key(spec) for spec in planned]
+    lines = [*measures((spec, 0) for spec in planned), _fabric_line(config, workdir, results)]
+    if not force and _kept(table, PLAN_KEY, wanted, lines, retry_failed):
+        print(f"plan: planned with these settings, kept ({table})", flush=True)
+        return
+    argv = plan_command(config, results, results / "collectives.csv", sys.executable)
+    _measure("plan", argv, table, lines)
+
+
+def _fabric_line(config: dict, workdir: Path, results: Path) -> str:
+    """What the plan's fabric is, in a line: a profile by its name; `curves` and an
+    nccl-tests file by the hash of what the plan reads (other curves, another plan)."""
+    fabric = config["plan"]["fabric"]
+    if fabric == "curves":
+        path = results / "collectives.csv"
+    elif fabric in PROFILES:
+        return f"fabric {fabric}"
+    else:
+        path = workdir / fabric
+    try:
+        digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    except OSError:
+        digest = "missing"  # the plan says why; nothing stored matches this
+    return f"fabric {fabric} sha256 {digest}"
+
+
+def _measures_file(table: Path) -> Path:
+    return table.with_suffix(".measures")
+
+
+def _kept(
+    table: Path, key: tuple[str, ...], wanted: list[dict], lines: list[str], retry_failed: bool
+) -> bool:
+    """Whether `table` holds a row for each of the `wanted` keys, measured for exactly
+    `lines` (stored beside it), and, with `retry_failed`, no failed row."""
+    try:
+        stored = _measures_file(table).read_text().splitlines()
+    except OSError:
+        return False
+    rows = records.read_rows(table)
+    if stored != lines or (retry_failed and any(r.get("status") == "failed" for r in rows)):
+        return False
+    have = {tuple(str(r.get(k)) for k in key) for r in rows}
+    return all(tuple(str(w[k]) for k in key) in have for w in wanted)
+
+
+def _measure(what: str, argv: list[str], table: Path, lines: list[str]) -> None:
+    """Run the job that writes `table` (its output in logs/<what>.log), then store the
+    `lines` it measured beside it; a job cut short stores none: it runs again."""
+    _measures_file(table).unlink(missing_ok=True)
+    table.unlink(missing_ok=True)  # a job that fails before its guard: no stale table
+    log = table.parent / "logs" / f"{what}.log"
+    code = _logged(argv, log)
+    if code != 0 or not table.exists():
+        print(f"{what} failed: {log}", flush=True)
+        return
+    records.atomic_write_bytes(_measures_file(table), "".join(f"{x}\n" for x in lines).encode())
+    print(f"{what}: {table}", flush=True)
+
+
+def _render(config: dict, results: Path) -> Path:
+    """The report (report.html), and on CUDA the listing of the CUDA paths it ran."""
     from parabench.report import TEMPLATES, render
 
     render(results, TEMPLATES, config, results / "report.html")
@@ -161,7 +329,11 @@ def cuda_paths(results: Path) -> list[str]:
     ok = cells[(cells.get("status") == "ok") & (cells.get("device_type") == "cuda")]
     if ok.empty:
         return ["CUDA paths: no cell ran on CUDA (see the report's failed and skipped cells)"]
-    ranked = ok[ok["strategy"].map(lambda s: CATALOG[s].launch != ONE_PROCESS)]
+    # the cells whose code ran in a process group (NCCL on CUDA), by their records
+    grouped = [
+        CATALOG[s].process_group(n) for s, n in ok[["strategy", "devices"]].itertuples(False)
+    ]
+    ranked = ok[grouped]
 
     def ran(what: str, rows: pd.DataFrame, need: str) -> str:
         return f"  {'ran    ' if len(rows) else 'not run'}  {what}" + (
@@ -193,8 +365,12 @@ def cuda_paths(results: Path) -> list[str]:
     lines.append(ran("allocator peaks and the kernel-trace anatomy", ok, ""))
     at = sorted(int(n) for n in curves["devices"].unique()) if "devices" in curves else []
     lines.append(ran(f"collectives benchmark (NCCL) at {at} ranks", curves, "no benchmark ran"))
-    alone = ranks[ranks.get("status") == "ok"] if "status" in ranks else ranks
-    lines.append(ran("ranks measured alone on CUDA (the scaling model's input)", alone, "none ran"))
+    planned = table("plan.csv")
+    alone = [t[t["status"] == "ok"] for t in (ranks, planned) if "status" in t]
+    alone = pd.concat(alone) if alone else ranks
+    lines.append(
+        ran("ranks measured alone on CUDA (ranks.csv, plan.csv)", alone, "none ran: plan.enabled")
+    )
     lines.append(
         ran("more than one node (srun + torchrun)", cells.iloc[0:0], "needs a Slurm cluster")
     )
@@ -214,13 +390,37 @@ def _aggregate(
         benches,
         results / "collectives.csv",
         ranks if ranks.exists() else None,
+        # a record of other settings than the config's cell is refused, its file named
+        config_hashes=[c.spec.config_hash() for c in cells(config)],
     )
 
 
+def _results_dir(config_path: Path, results: str | None) -> Path:
+    """The results directory a config names, read before the config is checked (the
+    schema's default where it names none); where the file cannot be read, the default
+    (load_config then says why)."""
+    try:
+        raw = yaml.safe_load(Path(config_path).read_text())
+    except (OSError, yaml.YAMLError):
+        raw = None
+    named = raw.get("results") if isinstance(raw, dict) else None
+    return Path.cwd() / str(results or named or load_schema()["properties"]["results"]["default"])
+
+
 def main(
-    config_path: Path, results: str | None, devices: str | None, force: bool, dry: bool = False
+    config_path: Path,
+    results: str | None,
+    devices: str | None,
+    force: bool,
+    dry: bool = False,
+    retry_failed: bool = False,
 ) -> int:
     try:
+        # Refused at once where another run holds the results directory: before the
+        # schema's checks, which take a second (loading jsonschema). A dry run writes
+        # nothing: never refused (nor is Snakemake's).
+        if not dry:
+            lock.check(_results_dir(config_path, results))
         config = load_config(config_path)
         if results:
             config["results"] = results
@@ -228,10 +428,20 @@ def main(
             config["devices"] = visible_gpus() or [1]
         elif devices:
             config["devices"] = [int(n) for n in devices.split(",")]
-        report = sweep(config, Path.cwd(), force, dry)
+        command = shlex.join(["parabench", *sys.argv[1:]])
+        report = sweep(config, Path.cwd(), force, dry, retry_failed, command)
     except ConfigError as e:
         print(f"parabench sweep: {e}", file=sys.stderr)
         return 2
+    except lock.LockHeld as e:
+        print(f"parabench sweep: {e}", file=sys.stderr)
+        return 1
+    except Interrupted as e:
+        print(f"parabench sweep: {e}; run again to resume", file=sys.stderr)
+        return 130
+    except LaunchFailed as e:
+        print(f"parabench sweep: {e}", file=sys.stderr)
+        return 1
     except records.ResultsError as e:
         print(f"parabench sweep: refusing to merge: {e}", file=sys.stderr)
         return 1

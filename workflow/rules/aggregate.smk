@@ -21,8 +21,10 @@ rule aggregate:
         "../envs/parabench.yaml"
     params:
         ranks=lambda wc, input: f"--ranks {shlex.quote(input.ranks)}" if RANKS else "",
+        # per cell, in input.meta's order: a record of other settings is refused
+        hashes=[cell.spec.config_hash() for cell in CELLS.values()],
     shell:
         "parabench aggregate --meta {input.meta:q} --steps-out {output.steps:q} "
         "--cells-out {output.cells:q} --summary-out {output.summary:q} "
         "--collectives {input.collectives:q} --collectives-out {output.collectives:q} "
-        "{params.ranks} > {log:q} 2>&1"
+        "--config-hashes {params.hashes} {params.ranks} > {log:q} 2>&1"

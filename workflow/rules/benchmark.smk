@@ -25,6 +25,11 @@ rule benchmark:
         timed_cells=1,
         slurm_extra=slurm_extra,
     params:
+        # What Snakemake compares (its params trigger): the cell's settings hash, the
+        # one its record carries, so a changed steps or lr reruns the cell (as the sweep
+        # does) and a changed cell_timeout_s does not. The command is a function of the
+        # output, never compared.
+        measures=lambda wc: _spec(wc).config_hash(),
         launch=launch,
     shell:
         "{params.launch} > {log:q} 2>&1"
@@ -49,6 +54,9 @@ rule collectives:
         timed_cells=1,
         slurm_extra=slurm_extra,
     params:
+        # What Snakemake compares (its params trigger): the command is a function of the
+        # output, left out, so a changed cell_timeout_s reruns nothing.
+        settings=COLLECTIVES_SETTINGS,
         launch=collectives_launch,
     shell:
         "{params.launch} > {log:q} 2>&1"
@@ -80,6 +88,7 @@ rule benchmark_multinode:
         runtime=lambda wc: int(config["cell_timeout_s"] // 60) + 5,
         timed_cells=1,
     params:
+        measures=lambda wc: _spec(wc).config_hash(),  # as rule benchmark's
         launch=launch,
     shell:
         "{params.launch} > {log:q} 2>&1"

@@ -1,7 +1,9 @@
 # Helpers shared by the rules: the cell table and each cell's command line, built by the
 # parabench package (torch-free modules: config, catalog, checks, launch, records) so the
 # workflow and `parabench sweep` plan and start cells the same way.
+import hashlib
 import shlex
+import sys
 from pathlib import Path
 
 from snakemake.exceptions import WorkflowError
@@ -19,7 +21,15 @@ from parabench.config import (
     problems,
     skipped,
 )
-from parabench.launch import launch_collectives_command, launch_command
+from parabench import doctor, lock
+from parabench.config import measures, planned_specs
+from parabench.launch import (
+    collectives_settings,
+    launch_collectives_command,
+    launch_command,
+    plan_command,
+    ranks_command,
+)
 from parabench.records import CELL_DIR
 
 RESULTS = config["results"]
@@ -114,3 +124,75 @@ def collectives_launch(wc, output):
             config["cell_timeout_s"],
         )
     )
+
+
+# Of the ranks and plan jobs, Snakemake compares (its params trigger) what they measure
+# (params.measures), nothing else of the config: each reruns when that changes, never
+# for cell_timeout_s or exclusive_nodes. Their commands carry the whole config, timeouts
+# included; like each cell's, they are functions of the output, which it leaves out.
+def ranks_launch(wc, output):
+    """The ranks job's command; params.measures: each rank and its settings."""
+    return shlex.join(ranks_command(config, Path(output.ranks).parent))
+
+
+def plan_measures(wc):
+    """What the plan measures and predicts with: each planned rank and its settings, and
+    the fabric: the curves' settings and device counts (its input is ancient: the
+    aggregate rewrites collectives.csv whenever any cell reruns), or an nccl-tests
+    file's content."""
+    fabric = PLAN["fabric"]
+    if PLAN_CURVES:
+        fabric += f" {COLLECTIVES_SETTINGS} at {collective_devices(config)}"
+    elif Path(fabric).is_file():
+        fabric += " " + hashlib.sha256(Path(fabric).read_bytes()).hexdigest()
+    return [*measures((spec, 0) for spec in planned_specs(config)), f"fabric {fabric}"]
+
+
+def plan_launch(wc, input, output):
+    """The plan's command (it reads the curves where its fabric is `curves`)."""
+    curves = input.collectives if PLAN_CURVES else None
+    return shlex.join(plan_command(config, Path(output.plan).parent, curves))
+
+
+# The collectives benchmark's settings: a changed one reruns it (params), nothing else.
+COLLECTIVES_SETTINGS = collectives_settings(collective_bytes(config), config["device"])
+
+
+# One writer per results directory (parabench.lock): the run holds its lock from onstart
+# (the Snakefile's) to onsuccess or onerror, in the main process, for every job of the
+# run wherever it runs. Snakemake's own lock covers its working directory, not a
+# `parabench sweep` beside it, nor another run with another --directory.
+_HELD = []
+
+
+def take_results_lock():
+    try:
+        held = lock.acquire(Path(RESULTS), shlex.join(["snakemake", *sys.argv[1:]]))
+    except lock.LockHeld as e:
+        raise WorkflowError(f"parabench: {e}") from None
+    if held.took_over:
+        logger.info(f"parabench: took over the lock of {held.took_over}, which is gone")
+    _HELD.append(held)
+
+
+def release_results_lock():
+    while _HELD:
+        lock.release(_HELD.pop())
+
+
+def preflight():
+    """The doctor's checks for this run (parabench.doctor), a log line each, in a process
+    of its own with the jobs' python (`python` on PATH, as the rules start it): their
+    torch is what counts, and any CUDA context the checks open ends with it.
+    WorkflowError if one fails, before any job starts."""
+    slurm = None
+    if workflow.executor_plugin is not None and not workflow.local_exec:
+        slurm = doctor.resources(workflow.resource_settings.default_resources.args or [])
+    lines, ok = doctor.in_child(config, "python", slurm, gpus=workflow.local_exec)
+    for line in lines:
+        logger.info(f"parabench doctor: {line}")
+    if not ok:
+        raise WorkflowError(
+            "parabench doctor: this environment cannot run this config (the FAIL lines "
+            "above); nothing was started"
+        )

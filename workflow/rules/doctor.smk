@@ -3,26 +3,12 @@
 # cells run; a Slurm run checks the planning host (torch build, compiler, account and
 # partition, disk) and leaves the GPU checks to the GPU node, where
 #   snakemake --profile profiles/slurm doctor
-# runs all of them in a short job asking for the GPUs of the largest cell. Not on a dry
-# run (onstart is skipped), so `snakemake -n` plans any config on any host.
+# runs all of them in a short job asking for the GPUs of the largest cell. The checks
+# before the first job are common.smk's preflight(), which the Snakefile's onstart
+# calls: not on a dry run, so `snakemake -n` plans any config on any host.
 import json
 
 from parabench import doctor
-
-
-onstart:
-    if workflow.is_main_process:
-        _slurm = None
-        if workflow.executor_plugin is not None and not workflow.local_exec:
-            _slurm = doctor.resources(workflow.resource_settings.default_resources.args or [])
-        _found = doctor.run_checks(config, Path.cwd(), _slurm, gpus=workflow.local_exec)
-        for _check in _found:
-            logger.info(f"parabench doctor: {_check.line()}")
-        if doctor.failed(_found):
-            raise WorkflowError(
-                "parabench doctor: this environment cannot run this config (the FAIL lines "
-                "above); nothing was started"
-            )
 
 
 rule doctor:

@@ -1,8 +1,6 @@
 # One rank of every multi-process cell, alone (parabench.ranks): what the scaling model
 # predicts the cells from. One job, rank after rank, timed like a cell (never beside
 # one); none when no cell runs several ranks.
-import json
-
 RANK_CELLS = len({spec for spec, _ in alone_ranks(config)})
 RANKS = RANK_CELLS > 0
 
@@ -20,7 +18,8 @@ rule ranks:
         timed_cells=1,
         slurm_extra=slurm_extra,
     params:
-        config=json.dumps(config, sort_keys=True),
-        out=lambda wc, output: Path(output.ranks).parent,
+        # what Snakemake compares (its params trigger): each rank and its settings
+        measures=lambda wc: measures(alone_ranks(config)),
+        launch=ranks_launch,
     shell:
-        "parabench ranks --config-json {params.config:q} --out {params.out:q} > {log:q} 2>&1"
+        "{params.launch} > {log:q} 2>&1"
