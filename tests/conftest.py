@@ -304,3 +304,37 @@ def own_models_sweep(tmp_path_factory):
     assert proc.returncode == 0, proc.stderr[-4000:]
     summary = pd.read_csv(work / "results/summary.csv")
     return work, summary.set_index(["model", "strategy", "devices"])
+
+
+def peak_memory_run(
+    argv: list[str],
+    log: Path,
+    kill_above: int,
+    cwd: Path | None = None,
+    env: dict | None = None,
+    timeout_s: float = 300,
+) -> tuple[int, int, float]:
+    """Run `argv` (one process that does the work) with its output in `log`; return its
+    exit status, its peak resident memory in bytes and its seconds. The peak is its
+    VmHWM, polled: the kernel's ru_maxrss of a child (wait4, getrusage) starts at its
+    parent's RSS when it forks, pytest's after a long session, so it cannot tell a
+    small child from a large one. Killed once its RSS passes `kill_above` (a regression
+    fails in seconds, not by taking the machine's memory) or after `timeout_s`."""
+    import time
+
+    start = time.monotonic()
+    with open(log, "w") as out:
+        proc = subprocess.Popen(argv, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT)
+    status, peak = Path(f"/proc/{proc.pid}/status"), 0
+    while proc.poll() is None:
+        try:
+            fields = dict(x.split(":", 1) for x in status.read_text().splitlines() if ":" in x)
+            peak = max(peak, int(fields["VmHWM"].split()[0]) * 1024)
+            if int(fields["VmRSS"].split()[0]) * 1024 > kill_above:
+                proc.kill()
+        except (OSError, KeyError, ValueError):  # exiting: its memory is gone
+            pass
+        if time.monotonic() - start > timeout_s:
+            proc.kill()
+        time.sleep(0.01)
+    return proc.returncode, peak, time.monotonic() - start

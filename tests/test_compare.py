@@ -69,3 +69,30 @@ def test_different_hardware_is_refused_unless_forced(base, tmp_path):
     assert forced.returncode == 0, forced.stderr
     assert "differs: hardware: cpu_model" in forced.stdout
     assert "Another CPU 9000" in (tmp_path / "c.html").read_text()
+
+
+@pytest.mark.parametrize(
+    "where, option",
+    [
+        (lambda a, b, t: ["--out", b / "summary.html"], "--out"),  # its CSV: B's summary.csv
+        (lambda a, b, t: ["--out", t / "c.html", "--csv", a / "cells.csv"], "--csv"),
+        (lambda a, b, t: ["--out", b / "new" / "c.html"], "--out"),  # a new file, but in B
+        (lambda a, b, t: ["--out", t / "c.csv"], "are one file"),  # the CSV is the HTML
+    ],
+    ids=["beside-B-summary", "A-cells", "new-in-B", "csv-is-out"],
+)
+def test_an_output_inside_a_run_it_reads_is_refused_and_nothing_is_written(tmp_path, where, option):
+    a, b = results(tmp_path / "a"), results(tmp_path / "b")
+    before = {p: p.read_bytes() for r in (a, b) for p in r.rglob("*") if p.is_file()}
+    argv = [str(x) for x in where(a, b, tmp_path)]
+    proc = subprocess.run(
+        [sys.executable, "-m", "parabench", "compare", str(a), str(b), *argv],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert option in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    after = {p: p.read_bytes() for r in (a, b) for p in r.rglob("*") if p.is_file()}
+    assert after == before, "a run's files were changed"
+    assert not list(tmp_path.glob("c.*"))

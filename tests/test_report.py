@@ -92,3 +92,36 @@ def test_hostile_strings_are_escaped(report):
 def test_report_templates_are_files_not_python_strings():
     names = {p.name for p in (REPO / "report" / "strategies").glob("*.html.j2")}
     assert names == {f"{s}.html.j2" for s in LABELS}
+
+
+def test_panels_wrap_and_a_figure_past_the_renderers_limit_still_draws(report):
+    """One panel per (model, variant): a row of them was wider than Agg can draw (2^16
+    pixels) past about 115 panels. They wrap into rows, and a figure still past the
+    limit (hundreds of panels, stacked) is drawn at a lower resolution, never not at
+    all."""
+    import base64
+    import io
+
+    import matplotlib.pyplot as plt
+    from PIL import Image
+
+    from parabench.report import figures
+    from parabench.report.loading import Results, panel_labels
+
+    def size(uri: str) -> tuple[int, int]:
+        return Image.open(io.BytesIO(base64.b64decode(uri.split(",", 1)[1]))).size
+
+    root, _, _ = report
+    one = Results.load(root)
+
+    def many(t: pd.DataFrame, copies: int = 7) -> pd.DataFrame:
+        out = pd.concat([t.assign(model=f"m{i}") for i in range(copies)], ignore_index=True)
+        return out.assign(panel=panel_labels(out))
+
+    wide = Results(many(one.summary), many(one.cells), many(one.steps), one.collectives, one.plan)
+    drawn = figures.plots(wide)
+    width, height = size(drawn["speedup"])  # 7 panels: 3 rows of at most 3
+    assert width < 3.5 * 5.2 * figures.DPI and height > 2.5 * 3.8 * figures.DPI, (width, height)
+    huge = plt.figure(figsize=(5.2 * 130, 3.8))  # the old row of 130 panels
+    width, height = size(figures._png(huge))
+    assert 0 < width < 2**16 and height > 0

@@ -1,6 +1,7 @@
 """What the interconnect can carry: collective curves over message sizes, per device count.
 
-Run as n torchrun ranks (`parabench collectives --devices n --out DIR`), on the same
+Run as n torchrun ranks (`parabench collectives --devices n --out DIR`; n = 1 on CUDA, so
+that one GPU runs NCCL's path, its rows no curve between devices), on the same
 backend and devices as the cells (NCCL on GPUs, gloo on CPU). For each op and size it
 times a loop of back-to-back calls after a warm-up and reports, as nccl-tests does, the
 mean time per call (slowest rank) and:
@@ -91,9 +92,12 @@ def time_op(
 
 
 def curves(sizes: list[int], device: torch.device, ops=CURVES) -> list[dict]:
+    """Every op at every size. At one rank (one GPU running NCCL's path) nothing moves
+    between devices: no send/recv pair exists, and a bus bandwidth has no meaning (NaN);
+    the times are what a call costs there."""
     n = dist.get_world_size()
     rows = []
-    for op in ops:
+    for op in ops if n > 1 else [op for op in ops if op != "send_recv"]:
         for nbytes in sizes:
             t, iters = time_op(op, nbytes, device)
             numel = max(n, nbytes // 4 // n * n)
@@ -106,7 +110,7 @@ def curves(sizes: list[int], device: torch.device, ops=CURVES) -> list[dict]:
                     "bytes": size,
                     "time_s": t,
                     "algbw_GBps": algbw,
-                    "busbw_GBps": algbw * bus_factor(op, n),
+                    "busbw_GBps": algbw * bus_factor(op, n) if n > 1 else float("nan"),
                     "backend": dist.get_backend(),
                     "iters": iters,
                     "dtype": "float32",

@@ -9,6 +9,7 @@ noise. Speedups of both runs are shown beside it.
 Runs on different hardware, or whose cells were set differently (batch, steps, model
 size), are refused with what differs, unless forced: then the differences head the
 comparison. A different torch or driver is not refused: that is what one compares.
+Its outputs never land inside either run (`refuse_outputs_inside`).
 """
 
 from __future__ import annotations
@@ -38,6 +39,28 @@ COLUMNS = (
 
 class CompareError(ValueError):
     """The runs cannot be compared as they are; the message says what differs."""
+
+
+def refuse_outputs_inside(a_dir: Path, b_dir: Path, outputs: dict[str, Path]) -> None:
+    """CompareError when an output (`outputs`: option -> path) would land inside run A
+    or run B, or two outputs are one file. A results directory is its run's record:
+    compare reads its summary, cells and steps tables, and the rest (report.html,
+    runs/...) is the run's too, so no file under it is compare's to write, new or not
+    (the CSV, beside --out by default, once replaced runB/summary.csv). Symbolic links
+    are followed, so another spelling of a path inside a run is refused alike."""
+    runs = {"A": Path(a_dir).resolve(), "B": Path(b_dir).resolve()}
+    seen: dict[Path, str] = {}
+    for option, path in outputs.items():
+        where = Path(path).resolve()
+        for name, run in runs.items():
+            if where.is_relative_to(run):
+                raise CompareError(
+                    f"{option} {path} lies inside run {name} ({run}): a comparison "
+                    "never writes into the runs it reads; name a path outside both"
+                )
+        if where in seen:
+            raise CompareError(f"{seen[where]} and {option} are one file: {path}")
+        seen[where] = option
 
 
 def _load(results: Path) -> dict[str, pd.DataFrame]:

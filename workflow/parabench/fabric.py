@@ -98,7 +98,10 @@ class Fabric:
 
 
 def from_curves(curves: pd.DataFrame, label: str = "this machine") -> Fabric:
-    """The collectives benchmark's curves (collectives.csv's columns)."""
+    """The collectives benchmark's curves (collectives.csv's columns), those between
+    ranks: a one-rank benchmark (one GPU's NCCL path) moves nothing between devices."""
+    if not curves.empty:
+        curves = curves[curves["devices"] > 1]
     if curves.empty:
         raise FabricError("no collective curves were measured (collectives.csv is empty)")
     tables = {}
@@ -123,20 +126,46 @@ def from_curves(curves: pd.DataFrame, label: str = "this machine") -> Fabric:
 
 
 _ROW = re.compile(r"^\s*\d+\s+\d+\s+\S+\s+\S+\s+-?\d+\s")
+_RANK = re.compile(r"^#\s+Rank\s+\d+")
+# The test's name, e.g. all_reduce_perf: a word ending in _perf. It starts where a word
+# starts (the lookbehind) and ends at its first _perf (lazy), so the search is linear in
+# the line: a greedy `(\w+)_perf` retries every start inside a long word, its square.
+_TEST = re.compile(r"(?<!\w)(\w+?)_perf")
+# nccl-tests' lines are under 200 characters; a longer one is read only this far.
+MAX_LINE = 4096
+
+
+def _lines(path: Path):
+    """(number, text, whole) of each line of a file, read in pieces of at most
+    MAX_LINE characters: `text` is the line's first MAX_LINE characters, `whole` whether
+    that is all of it. The rest of a longer line is read and dropped, so a file costs
+    its length once, in time and never in memory, whatever its lines."""
+    with open(path, errors="replace") as f:
+        for number, head in enumerate(iter(lambda: f.readline(MAX_LINE), ""), 1):
+            whole = head.endswith("\n") or len(head) < MAX_LINE
+            tail = head
+            while not tail.endswith("\n") and len(tail) == MAX_LINE:
+                tail = f.readline(MAX_LINE)
+            yield number, head.rstrip("\r\n"), whole
 
 
 def parse_nccl_tests(path: Path) -> Fabric:
     """An nccl-tests output file (the text `all_reduce_perf -b 8 -e 8G -f 2` prints).
     Its rows are `size count type redop root time algbw busbw #wrong` out of place,
     then the same in place; the ranks are its `#  Rank` lines. Refused, with the line,
-    when a row does not read, a busbw is not positive, or a size repeats."""
-    text = Path(path).read_text(errors="replace").splitlines()
-    ranks = sum(1 for line in text if re.match(r"^#\s+Rank\s+\d+", line))
+    when a row does not read, a busbw is not positive, or a size repeats. Read line by
+    line in time linear in the file's size, whatever its content (`_lines`)."""
+    ranks, test = 0, None
     sizes, busbw = [], []
-    for i, line in enumerate(text, 1):
-        if line.lstrip().startswith("#") or not line.strip() or "NCCL INFO" in line:
+    for i, line, whole in _lines(path):
+        if test is None and (found := _TEST.search(line)):
+            test = found.group(1)
+        if line.lstrip().startswith("#"):
+            ranks += bool(_RANK.match(line))
             continue
-        if not _ROW.match(line):
+        if not line.strip() or "NCCL INFO" in line:
+            continue
+        if not whole or not _ROW.match(line):
             raise FabricError(
                 f"{path}:{i}: not an nccl-tests result row (size count type redop root "
                 f"time algbw busbw #wrong ...): {line.strip()[:80]!r}"
@@ -162,8 +191,7 @@ def parse_nccl_tests(path: Path) -> Fabric:
             f"{path}: {ranks} '#  Rank' line(s): a bandwidth needs at least two ranks "
             "(nccl-tests lists each under '# Using devices')"
         )
-    test = re.search(r"(\w+)_perf", "\n".join(text))
-    what = f"{test.group(1)}_perf" if test else "nccl-tests"
+    what = f"{test}_perf" if test else "nccl-tests"
     return Fabric(
         "nccl-tests",
         f"{Path(path).name}: {what} at {ranks} ranks, busbw {min(busbw) / 1e9:.1f} to "

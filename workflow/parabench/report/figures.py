@@ -18,10 +18,20 @@ from parabench import stats
 from parabench.catalog import STRATEGIES
 from parabench.report.loading import Results
 
+DPI = 110
+# Panels side by side before the next row: a row of one panel per (model, variant) was
+# wider than Agg can draw (2^16 pixels) past about 115 panels.
+COLUMNS = 3
+# Agg's limit on either side of an image, in pixels, with a margin for the tight bbox.
+MAX_PIXELS = 60_000
+
 
 def _png(fig) -> str:
+    """The figure as a PNG data URI; one past Agg's size limit (a sweep of hundreds of
+    panels, stacked) is drawn at a lower resolution rather than not at all."""
+    dpi = min(DPI, MAX_PIXELS / max(fig.get_size_inches()))
     buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=110, bbox_inches="tight", metadata={"Software": None})
+    fig.savefig(buf, format="png", dpi=dpi, bbox_inches="tight", metadata={"Software": None})
     plt.close(fig)
     return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
 
@@ -52,8 +62,13 @@ def plots(r: Results) -> dict[str, str]:
     out: dict[str, str] = {}
 
     def per_model(title: str, y: str, ylabel: str, ideal=None, logy=False) -> str:
-        fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 3.8), squeeze=False)
-        for ax, panel in zip(axes[0], panels, strict=True):
+        cols = min(COLUMNS, len(panels))
+        rows = -(-len(panels) // cols)
+        fig, grid = plt.subplots(rows, cols, figsize=(5.2 * cols, 3.8 * rows), squeeze=False)
+        axes = grid.reshape(1, -1)  # row-major: the first panel's axes carry the legend
+        for ax in axes[0][len(panels) :]:
+            ax.set_visible(False)
+        for ax, panel in zip(axes[0], panels, strict=False):
             sub = ok[ok["panel"] == panel]
             if ideal is not None:
                 ax.plot(
@@ -106,10 +121,12 @@ def plots(r: Results) -> dict[str, str]:
             if logy:
                 ax.set_yscale("log")
         if axes[0][0].get_legend():
+            # below a single row; above the first of several, where a row follows below
+            where = ("upper left", (0, -0.18)) if rows == 1 else ("lower left", (0, 1.1))
             sns.move_legend(
                 axes[0][0],
-                "upper left",
-                bbox_to_anchor=(0, -0.18),
+                where[0],
+                bbox_to_anchor=where[1],
                 ncol=4,
                 frameon=False,
                 title=None,
@@ -141,6 +158,7 @@ def plots(r: Results) -> dict[str, str]:
             x="step_time_s",
             y="cell",
             col="panel",
+            col_wrap=min(COLUMNS, timed["panel"].nunique()),
             order=cell_order,
             hue="strategy",
             hue_order=order,
@@ -170,6 +188,7 @@ def plots(r: Results) -> dict[str, str]:
             x=col,
             y="cell",
             col="panel",
+            col_wrap=min(COLUMNS, bars["panel"].nunique()),
             hue="strategy",
             hue_order=order,
             palette=palette,
@@ -182,8 +201,9 @@ def plots(r: Results) -> dict[str, str]:
         g.set_titles("{col_name}")
         out[key] = _png(g.figure)
     out.update(anatomy_plots(ok, palette, order))
-    if not r.collectives.empty:
-        out["collectives"] = collective_curves(r.collectives)
+    between = r.collectives[r.collectives["devices"] > 1] if not r.collectives.empty else None
+    if between is not None and not between.empty:  # one rank's rows: no bus bandwidth
+        out["collectives"] = collective_curves(between)
     if not r.plan.empty and (plan := plan_plots(r.plan)):
         out["plan"] = plan
     return out
@@ -272,6 +292,7 @@ def collective_curves(curves: pd.DataFrame) -> str:
         y="busbw_GBps",
         hue="op",
         col="devices",
+        col_wrap=min(COLUMNS, curves["devices"].nunique()),
         marker="o",
         height=3.6,
         aspect=1.3,

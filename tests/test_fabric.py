@@ -1,0 +1,73 @@
+"""The nccl-tests parser: the real output reads as before, and reading is linear in the
+file's size whatever a line holds (one 200,000-character word once took minutes)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from parabench import fabric
+
+NCCL_TESTS = Path(__file__).parent / "data" / "nccl-tests-all_reduce_perf-8xh100.txt"
+WORD = "x" * 200_000
+
+
+def by_hand(path: Path) -> fabric.BusbwTable:
+    """The out-of-place busbw of every result row with a positive one, read plainly."""
+    rows = [line.split() for line in path.read_text().splitlines()]
+    rows = [r for r in rows if r and not r[0].startswith("#") and float(r[7]) > 0]
+    return fabric.BusbwTable(
+        tuple(int(r[0]) for r in rows), tuple(float(r[7]) * 1e9 for r in rows), 0.0
+    )
+
+
+def test_the_real_output_reads_as_it_did():
+    f = fabric.parse_nccl_tests(NCCL_TESTS)
+    assert f.source == (
+        "nccl-tests-all_reduce_perf-8xh100.txt: all_reduce_perf at 8 ranks, busbw 0.0 to 454.7 GB/s"
+    )
+    assert f.tables == {"any": by_hand(NCCL_TESTS)}
+    assert len(f.tables["any"].sizes) == 28
+
+
+def parse_in_child(path: Path, timeout: float = 20) -> str:
+    """Parse in a child process, so a regression fails at `timeout` rather than after
+    minutes; a bound 100 times what linear reading takes (a few ms), so no busy
+    machine trips it."""
+    code = "import sys; from parabench import fabric; print(fabric.parse_nccl_tests(sys.argv[1]))"
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-c", code, str(path)],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"parsing {path.name} ran past {timeout:g} s: not linear in its size")
+    return proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("where", [0, 13, -1], ids=["first", "among-header", "last"])
+def test_a_200k_character_word_in_a_comment_reads_at_once_and_changes_nothing(tmp_path, where):
+    lines = NCCL_TESTS.read_text().splitlines()
+    lines.insert(where if where >= 0 else len(lines), f"# {WORD}")
+    path = tmp_path / "long.txt"
+    path.write_text("\n".join(lines) + "\n")
+    out = parse_in_child(path)
+    assert "Fabric(name='nccl-tests'" in out, out[-2000:]
+    f = fabric.parse_nccl_tests(path)
+    assert f.tables == fabric.parse_nccl_tests(NCCL_TESTS).tables
+    assert "all_reduce_perf at 8 ranks" in f.source
+
+
+def test_a_200k_character_row_is_refused_at_once_naming_its_line(tmp_path):
+    lines = NCCL_TESTS.read_text().splitlines()
+    lines.insert(20, f"  1024  256  {WORD}")
+    path = tmp_path / "long.txt"
+    path.write_text("\n".join(lines))
+    out = parse_in_child(path)
+    assert f"{path}:21: not an nccl-tests result row" in out, out[-2000:]
+    assert len(out) < 2000, "the message quotes the line's start, not all of it"
