@@ -17,7 +17,8 @@ STAMP  := $(VENV)/.parabench-installed
 HF_STAMP := $(VENV)/.parabench-hf-installed
 
 # The GPU check runs with whatever python has a CUDA torch: the venv's if there is one,
-# else python3 (a GPU image with torch but no Snakemake needs nothing else).
+# else python3 (a GPU image with torch, pandas, seaborn, jinja2, pyyaml and jsonschema needs
+# no Snakemake).
 GPU_PYTHON ?= $(if $(wildcard $(BIN)/python),$(BIN)/python,python3)
 
 .PHONY: run test lint bench gpu-check clean

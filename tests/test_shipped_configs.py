@@ -65,7 +65,8 @@ def test_a_config_whose_every_cell_is_skipped_is_refused_saying_why():
 @pytest.mark.parametrize("path", SHIPPED)
 @pytest.mark.parametrize("profile", [None, "slurm"])
 def test_snakemake_plans_every_shipped_config(tmp_path, path, profile):
-    config = shipped(path, COUNTS)
+    # one repeat: planning does not depend on how many (gpu.yaml's 5 are 5x the jobs)
+    config = {**shipped(path, COUNTS), "repeats": 1}
     args = ["-n", "--cores", "1"]
     if profile:  # plans the sbatch jobs, submits none (a dry run)
         args += ["--profile", str(REPO / "profiles" / profile)]
@@ -141,7 +142,8 @@ def test_doctor_refuses_a_gpu_config_on_this_cpu_host_in_seconds():
 def test_doctor_passes_the_default_cpu_config():
     proc, _ = run_doctor("config/config.yaml")
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert [x.split()[0] for x in proc.stdout.splitlines()] == ["ok", "ok"]  # torch, disk
+    checked = {x.split()[1].rstrip(":"): x.split()[0] for x in proc.stdout.splitlines()}
+    assert set(checked) == {"torch", "disk"} and "FAIL" not in checked.values(), checked
 
 
 def test_doctor_names_a_missing_compiler_when_compile_is_on(tmp_path):
@@ -219,3 +221,22 @@ def test_the_gpu_check_ends_listing_the_cuda_paths_it_ran(tmp_path):
     assert status("NCCL between GPUs: DDP, ZeRO-1, FSDP2, TP, pipeline") == "not run"
     assert "needs 2 GPUs" in next(x for x in lines if "between GPUs" in x)
     assert status("torch.compile on CUDA (Triton)") == "not run"
+
+
+def test_the_collectives_benchmark_at_one_rank_claims_no_bus_bandwidth(tmp_path):
+    """One GPU runs NCCL's path through the benchmark (here gloo, the same launch): its
+    rows say what a call costs, and no bandwidth between devices nor a send/recv pair
+    that cannot exist; the fabric and the figure leave them out."""
+    import pandas as pd
+
+    from parabench.fabric import FabricError, from_curves
+    from parabench.launch import collectives_argv
+
+    argv = collectives_argv(1, [4096, 65536], "cpu", 30, tmp_path, python=sys.executable)
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = pd.read_csv(tmp_path / "collectives.csv")
+    assert set(rows["devices"]) == {1} and "send_recv" not in set(rows["op"])
+    assert rows["busbw_GBps"].isna().all() and (rows["time_s"] > 0).all()
+    with pytest.raises(FabricError, match="no collective curves"):
+        from_curves(rows)

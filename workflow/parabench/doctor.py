@@ -11,12 +11,13 @@ The checks, and where each can be answered:
 - GPU node (where the cells run): the GPUs visible against the most any cell needs on
   one node, NCCL where ranks communicate, bf16 where the config asks for it.
 
-The Snakefile runs them when it plans, before any job: all of them for a local run
-(the cells run on this host), the planning host's under a Slurm profile, whose GPU
-checks are left to the GPU node: `snakemake --profile profiles/slurm doctor` runs every
-check there in a one-minute job, and each cell checks its own node (too few GPUs or no
-bf16: skipped with the reason; a CPU torch: failed, saying so). `parabench sweep` runs
-all of them before its first cell.
+The Snakefile runs them before its first job (onstart, never on a dry run), in a
+process of their own with the jobs' python: all of them for a local run (the cells run
+on this host), the planning host's under a Slurm profile, whose GPU checks are left to
+the GPU node: `snakemake --profile profiles/slurm doctor` runs every check there in a
+short job (seconds; five minutes at most), and each cell checks its own node (too few
+GPUs or no bf16: skipped with the reason; a CPU torch: failed, saying so).
+`parabench sweep` runs all of them before its first cell.
 
 Torch-free until a GPU check needs torch: the build is read from torch's version.py, so
 a login node answers the rest in milliseconds.
@@ -54,8 +55,8 @@ class Check:
 
 
 def torch_build() -> tuple[str | None, str | None]:
-    """(torch's version, its CUDA version or None for a CPU build), read from the
-    installed torch/version.py without importing torch (seconds on a login node)."""
+    """(torch's version, its CUDA (or ROCm) version or None for a CPU build), read from
+    the installed torch/version.py without importing torch (seconds on a login node)."""
     spec = importlib.util.find_spec("torch")
     if spec is None or spec.origin is None:
         return None, None
@@ -65,7 +66,9 @@ def torch_build() -> tuple[str | None, str | None]:
         target = getattr(node, "target", None) or (getattr(node, "targets", None) or [None])[0]
         if isinstance(target, ast.Name) and isinstance(node.value, ast.Constant):
             values[target.id] = node.value.value
-    return values.get("__version__"), values.get("cuda")  # type: ignore[return-value]
+    # ROCm's torch is a GPU build too, driven through torch.cuda
+    gpu = values.get("cuda") or (f"ROCm {values['hip']}" if values.get("hip") else None)
+    return values.get("__version__"), gpu  # type: ignore[return-value]
 
 
 def _runnable(config: dict) -> list:
@@ -119,6 +122,8 @@ def _results_bytes(config: dict) -> tuple[int, list[str]]:
     the models' facts (torch-free); and the models whose size planning does not know."""
     total, unknown = 0, []
     for c in cells(config):
+        if checks.static_skip_reason(c.spec):  # recorded as skipped: a few KB
+            continue
         n = models.facts(c.spec.model).n_params
         if n is None and c.spec.model_name not in unknown:
             unknown.append(c.spec.model_name)
@@ -135,8 +140,12 @@ def check_disk(config: dict, workdir: Path) -> Check:
     detail = f"{free / gib:.1f} GiB free under {probe}; the sweep writes up to {need / gib:.1f} GiB"
     if unknown:
         detail += f" besides the parameters of {', '.join(unknown)} (a copy per cell)"
+    # An estimate, at its largest (a cell that fails early writes little): the run is
+    # refused only where not even the records fit, warned where the parameters may not.
+    if free < len(cells(config)) * CELL_BYTES:
+        return Check("disk", FAIL, detail + ": not even the records fit")
     if free < need:
-        return Check("disk", FAIL, detail + ": free space or fewer repeats/models")
+        return Check("disk", WARN, detail + ": free space or fewer repeats/models")
     return Check("disk", WARN if free < 2 * need else OK, detail)
 
 
@@ -160,15 +169,19 @@ def check_slurm(config: dict, res: dict[str, str]) -> Check:
     missing = [k for k in ("slurm_account", "slurm_partition") if not res.get(k)]
     part = res.get("slurm_partition")
     if part and shutil.which("sinfo"):
-        got = subprocess.run(
-            ["sinfo", "-h", "-p", part, "-o", "%P %G"], capture_output=True, text=True
-        )
+        try:  # a hung slurmctld must not hang the run's start
+            got = subprocess.run(
+                ["sinfo", "-h", "-p", part, "-o", "%G"], capture_output=True, text=True, timeout=20
+            )
+        except subprocess.TimeoutExpired:
+            return Check("slurm", WARN, f"sinfo did not answer in 20 s: {part!r} unchecked")
         if got.returncode != 0 or not got.stdout.strip():
             return Check(
                 "slurm", FAIL, f"partition {part!r} (slurm_partition) is not known to sinfo"
             )
-        if config["device"] == "cuda" and "gpu" not in got.stdout:
-            return Check("slurm", FAIL, f"partition {part!r} has no GPUs (sinfo %G: none)")
+        gres = got.stdout.split()  # the generic resources (%G) of each group of its nodes
+        if config["device"] == "cuda" and not any(g.startswith("gpu") for g in gres):
+            return Check("slurm", FAIL, f"partition {part!r} has no GPUs (sinfo %G: {gres[0]})")
     if missing:
         return Check(
             "slurm",
@@ -182,7 +195,10 @@ def check_slurm(config: dict, res: dict[str, str]) -> Check:
 def _nvidia_smi_gpus() -> int | None:
     if not shutil.which("nvidia-smi"):
         return None
-    got = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30)
+    try:
+        got = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):  # a wedged driver: torch says the rest
+        return None
     return sum(line.startswith("GPU ") for line in got.stdout.splitlines())
 
 
@@ -291,3 +307,33 @@ def run_checks(
 
 def failed(found: list[Check]) -> list[Check]:
     return [c for c in found if c.status == FAIL]
+
+
+def in_child(
+    config: dict,
+    python: str,
+    slurm: dict[str, str] | None = None,
+    gpus: bool | None = None,
+    cwd: Path | None = None,
+) -> tuple[list[str], bool]:
+    """run_checks in a process of its own, with `python`, the interpreter the jobs run
+    (what matters is their torch, not the caller's), which holds the CUDA context and
+    environment the GPU checks set up only while it lives: the caller (Snakemake's main
+    process, a sweep) goes on to run the cells. Returns the lines and whether all
+    passed."""
+    import json
+
+    argv = [python, "-m", "parabench", "doctor", "--config-json", json.dumps(config)]
+    argv += ["--gpus", {None: "auto", True: "here", False: "later"}[gpus]]
+    if slurm is not None:
+        argv += ["--slurm-resources", json.dumps(slurm)]
+    try:
+        got = subprocess.run(argv, capture_output=True, text=True, timeout=300, cwd=cwd)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return [f"{FAIL:>5}  doctor: could not run `{python} -m parabench doctor`: {e}"], False
+    lines = got.stdout.splitlines()
+    if got.returncode not in (0, 1) or not lines:  # it could not check: say why
+        why = (got.stderr.strip().splitlines() or ["no output"])[-1]
+        lines.append(f"{FAIL:>5}  doctor: `{python} -m parabench doctor` failed: {why}")
+        return lines, False
+    return lines, got.returncode == 0

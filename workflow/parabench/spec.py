@@ -204,10 +204,12 @@ class RunSpec:
         return cls(**{**d, "model": ModelSpec.from_dict(d["model"]), "options": options})
 
     def config_hash(self) -> str:
-        """Hash of what defines the maths and sizes (not the repeat index)."""
+        """Hash of what defines what the cell measures: its maths, sizes and settings;
+        not the repeat index, nor where it runs or how long it may wait (gpus_per_node,
+        timeout_s): raising a timeout after one ran out reruns nothing."""
         d = self.to_dict()
-        d.pop("repeat")
-        d.pop("gpus_per_node")
+        for key in ("repeat", "gpus_per_node", "timeout_s"):
+            d.pop(key)
         blob = json.dumps(d, sort_keys=True, default=list).encode()
         return hashlib.sha256(blob).hexdigest()[:12]
 
