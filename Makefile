@@ -11,6 +11,10 @@ TORCH  ?= torch==2.13.0
 CORES  ?= 1
 # Extra snakemake arguments, e.g. ARGS="--configfile config/gpu.yaml"
 ARGS   ?=
+# The tests in two workers, a test file each (its module fixtures, one sweep, stay in
+# one worker): most of a test's time is processes starting and waiting on each other,
+# which two files side by side overlap. PYTEST_WORKERS= runs them in one process.
+PYTEST_WORKERS ?= -n 2 --dist loadfile
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.parabench-installed
 # The tests' extra (transformers for arch: hf), which the default run does not need.
@@ -46,7 +50,7 @@ lint: $(STAMP)
 
 test: $(STAMP) $(HF_STAMP) lint
 	tests/setup-system.sh
-	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python -m pytest -q -ra
+	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python -m pytest -q -ra $(PYTEST_WORKERS)
 
 bench: $(STAMP)
 	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python benchmarks/single_overhead.py

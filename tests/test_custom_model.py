@@ -3,7 +3,8 @@ working directory, as a user would, at single, ddp n=2 and pipeline n=2; the sam
 BatchNorm, whose maths really changes under data parallelism, reported as differing
 with its cause; a plain nn.Module with a ModuleList of blocks (a forward of its own)
 under every strategy that can take it unchanged; a factory that reads a value while
-it builds, planned and run; and a broken factory refused before any job."""
+it builds, planned and run; a broken factory refused before any job; and, in the
+same sweep, Hugging Face's Llama and GPT-2 under every strategy that applies."""
 
 import json
 
@@ -89,3 +90,33 @@ def test_a_factory_that_reads_a_value_while_building_plans_and_runs(tmp_path):
     meta, proc = run_cell(spec, tmp_path / "cell")
     assert meta["status"] == "ok", (meta.get("reason"), proc.stderr[-3000:])
     assert meta["model_facts"]["params"] == 3 * (8 * 8 + 8) + (8 * 2 + 2)
+
+
+# The Hugging Face models ride in the same sweep: one sweep of users' own models, on
+# one test worker (a session fixture is per worker).
+def test_llama_and_gpt2_run_every_strategy_that_applies_with_the_same_maths(run):
+    """In the sweep of users' own models (conftest.OWN_MODELS), at 2 devices: Llama
+    under every strategy; GPT-2 (Conv1D) under every strategy but tensor parallelism;
+    GPT-2 with its head tied to its embeddings (as it comes) under no stage cut."""
+    pytest.importorskip("transformers")
+    work, s = run
+    shared = ["single", "ddp", "zero1", "fsdp", "grad_accum", "pipeline"]
+    ran = {"llama": [*shared, "tp", "model_parallel"], "gpt2": shared}
+    for model, strategies in ran.items():
+        for strategy in strategies:
+            row = s.loc[(model, strategy, 1 if strategy == "single" else 2)]
+            assert row["status"] == "ok", (model, strategy, row["reason"])
+            # fp32 + SGD: the same parameters as single within 1e-5
+            assert str(row["equivalent"]) == "True", (model, strategy, row["rel_param_diff"])
+            assert row["max_abs_param_diff"] <= 1e-5, (model, strategy)
+            assert row["flops_per_step"] > 0 and row["tokens_per_s"] > 0
+        # FSDP: one unit per decoder layer and the root (embeddings, final norm, head)
+        fsdp = json.loads(s.loc[(model, "fsdp", 2), "comm_by_op"])
+        assert fsdp["reduce_scatter"]["count"] == 2 + 1
+    for strategy in ("pipeline", "model_parallel"):
+        tied = s.loc[("gpt2_tied", strategy, 2)]
+        assert tied["status"] == "skipped" and "tie_word_embeddings" in tied["reason"]
+    tp = s.loc[("gpt2", "tp", 2)]
+    assert tp["status"] == "skipped" and "Conv1D" in tp["reason"]
+    html = (work / "results/report.html").read_text()
+    assert "Conv1D" in html

@@ -1,9 +1,9 @@
 """Hugging Face transformers models, built from small configs (no weights, no network),
 unchanged, through the real pipeline: Llama and GPT-2 under every strategy that can
-take a model with a forward of its own, with the same maths as single; what cannot
-apply is skipped with its reason. And the default run never imports transformers."""
+take a model with a forward of its own (their sweep is tests/test_custom_model.py's,
+the one sweep of users' own models); what cannot apply is skipped with its reason.
+And the default run never imports transformers."""
 
-import json
 import subprocess
 import sys
 
@@ -102,31 +102,3 @@ print("transformers" in sys.modules)
     )
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "False"
-
-
-@pytest.mark.slow
-def test_llama_and_gpt2_run_every_strategy_that_applies_with_the_same_maths(own_models_sweep):
-    """In the sweep of users' own models (conftest.OWN_MODELS), at 2 devices: Llama
-    under every strategy; GPT-2 (Conv1D) under every strategy but tensor parallelism;
-    GPT-2 with its head tied to its embeddings (as it comes) under no stage cut."""
-    work, s = own_models_sweep
-    shared = ["single", "ddp", "zero1", "fsdp", "grad_accum", "pipeline"]
-    ran = {"llama": [*shared, "tp", "model_parallel"], "gpt2": shared}
-    for model, strategies in ran.items():
-        for strategy in strategies:
-            row = s.loc[(model, strategy, 1 if strategy == "single" else 2)]
-            assert row["status"] == "ok", (model, strategy, row["reason"])
-            # fp32 + SGD: the same parameters as single within 1e-5
-            assert str(row["equivalent"]) == "True", (model, strategy, row["rel_param_diff"])
-            assert row["max_abs_param_diff"] <= 1e-5, (model, strategy)
-            assert row["flops_per_step"] > 0 and row["tokens_per_s"] > 0
-        # FSDP: one unit per decoder layer and the root (embeddings, final norm, head)
-        fsdp = json.loads(s.loc[(model, "fsdp", 2), "comm_by_op"])
-        assert fsdp["reduce_scatter"]["count"] == 2 + 1
-    for strategy in ("pipeline", "model_parallel"):
-        tied = s.loc[("gpt2_tied", strategy, 2)]
-        assert tied["status"] == "skipped" and "tie_word_embeddings" in tied["reason"]
-    tp = s.loc[("gpt2", "tp", 2)]
-    assert tp["status"] == "skipped" and "Conv1D" in tp["reason"]
-    html = (work / "results/report.html").read_text()
-    assert "Conv1D" in html
