@@ -17,7 +17,8 @@ ARGS   ?=
 PYTEST_WORKERS ?= -n 2 --dist loadfile
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.parabench-installed
-# The tests' extra (transformers for arch: hf), which the default run does not need.
+# The tests' extras (transformers for arch: hf; Holistic Trace Analysis), which the
+# default run does not need.
 HF_STAMP := $(VENV)/.parabench-hf-installed
 
 # The GPU check runs with whatever python has a CUDA torch: the venv's if there is one,
@@ -34,7 +35,7 @@ $(STAMP): pyproject.toml
 	touch $@
 
 $(HF_STAMP): $(STAMP)
-	$(BIN)/python -m pip install -q -e ".[workflow,dev,hf]"
+	$(BIN)/python -m pip install -q -e ".[workflow,dev,hf,trace]"
 	touch $@
 
 run: $(STAMP)

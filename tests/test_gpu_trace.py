@@ -169,7 +169,7 @@ def require_hta():
         from hta.configs.config import logger
         from hta.utils import utils
     except ImportError as e:
-        msg = f"HolisticTraceAnalysis is not installed ({e}): `pip install -e .[dev]`"
+        msg = f"HolisticTraceAnalysis is not installed ({e}): `pip install -e .[trace]`"
         if in_ci():
             pytest.fail(msg)
         pytest.skip(msg)
