@@ -142,10 +142,12 @@ def plan_measures(wc):
     file's content."""
     fabric = PLAN["fabric"]
     if PLAN_CURVES:
-        fabric += f" {COLLECTIVES_SETTINGS} at {collective_devices(config)}"
+        what = f"{COLLECTIVES_SETTINGS} at {collective_devices(config)}"
     elif Path(fabric).is_file():
-        fabric += " " + hashlib.sha256(Path(fabric).read_bytes()).hexdigest()
-    return [*measures((spec, 0) for spec in planned_specs(config)), f"fabric {fabric}"]
+        what = hashlib.sha256(Path(fabric).read_bytes()).hexdigest()
+    else:
+        what = "(a named profile)"
+    return [*measures((spec, 0) for spec in planned_specs(config)), f"fabric {fabric} {what}"]
 
 
 def plan_launch(wc, input, output):
