@@ -405,6 +405,7 @@ def summary_row(strategy, devices, step, **kw) -> dict:
         "precision": "fp32",
         "optimizer": "sgd",
         "compile": False,
+        "ac": "none",
         "strategy": strategy,
         "devices": devices,
         "status": "ok",
@@ -428,7 +429,7 @@ def summary_row(strategy, devices, step, **kw) -> dict:
 
 def alone_row(strategy, devices, compute, rank=0, **kw) -> dict:
     """A ranks.csv row: one rank of the cell measured alone."""
-    row = {"model": "m", "precision": "fp32", "optimizer": "sgd", "compile": False}
+    row = {"model": "m", "precision": "fp32", "optimizer": "sgd", "compile": False, "ac": "none"}
     row.update(strategy=strategy, devices=devices, rank=rank, status="ok", compute_s=compute)
     return {**row, "comm_by_op": "", **kw}
 

@@ -54,6 +54,7 @@ def steps_frame(cells: dict[tuple[str, int], np.ndarray]) -> pd.DataFrame:
                     "precision": "fp32",
                     "optimizer": "sgd",
                     "compile": False,
+                    "ac": "none",
                     "strategy": strategy,
                     "devices": n,
                     "repeat": 0,
@@ -66,7 +67,7 @@ def steps_frame(cells: dict[tuple[str, int], np.ndarray]) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-KEYS = ["model", "precision", "optimizer", "compile", "strategy", "devices"]
+KEYS = ["model", "precision", "optimizer", "compile", "ac", "strategy", "devices"]
 VARIANT = ["model", "precision", "optimizer", "compile"]
 
 
@@ -91,6 +92,7 @@ def test_speedup_interval_contains_the_true_speedup_and_excludes_one():
         [
             {
                 **dict(zip(VARIANT, ["m", "fp32", "sgd", False], strict=True)),
+                "ac": "none",
                 "strategy": s,
                 "devices": n,
             }

@@ -38,6 +38,7 @@ from parabench.spec import RunSpec
 
 # Filled from the ok cells only; NaN where none ran.
 _OK_COLUMNS = (
+    "recompute_s",
     "anatomy_closure",
     "work_ratio",
     "profiler_overhead",
@@ -160,6 +161,7 @@ def _cell_row(
             "ranks_per_core": meta.get("ranks_per_core", np.nan),
             "options": json.dumps(dict(spec.to_dict()["options"]), sort_keys=True),
             **_anatomy_columns(meta, spec.record.pipelined),
+            "recompute_s": anatomy.recompute(meta.get("regions_per_rank") or [], spec.ac),
             "reorder_rel_diff": meta.get("reorder_rel_diff", np.nan),
             **_env_columns(meta),
             "config_hash": meta.get("config_hash", ""),
@@ -267,7 +269,8 @@ def _param_diffs(cells: pd.DataFrame) -> pd.DataFrame:
     cols = ["max_abs_param_diff", "rel_param_diff", "equivalence_tol", "equivalent", "likely_cause"]
     out = pd.DataFrame({c: pd.Series(np.nan, index=cells.index, dtype=object) for c in cols})
     ok = cells[cells["status"] == "ok"]
-    refs = ok[ok["strategy"] == REFERENCE].set_index([*VARIANT_KEYS, "repeat"])
+    refs = ok[(ok["strategy"] == REFERENCE) & (ok["ac"] == "none")]
+    refs = refs.set_index([*VARIANT_KEYS, "repeat"])
     cache: dict[str, dict] = {}
 
     def load(d: str) -> dict:
@@ -349,6 +352,7 @@ def _one(g: pd.DataFrame) -> pd.Series:
                 k: ok[k].median()
                 for k in (
                     *ANATOMY,
+                    "recompute_s",
                     "profiled_step_s",
                     "anatomy_closure",
                     "work_ratio",
@@ -401,6 +405,7 @@ def summarize(
     summary["achieved_flops_per_s"] = summary["flops_per_step"] / summary["step_time_s"]
     summary["mfu"] = summary["achieved_flops_per_s"] / summary["peak_flops_total"]
     summary["comm_tax_s"] = summary["step_time_s"] - summary["step_nocomm_s"]
+    summary = summary.join(_mesh_columns(summary, ranks))
     summary = summary.join(crosscheck.checks(summary, curves))
     summary = summary.join(scaling.predict(summary, curves, ranks, list(VARIANT_KEYS)))
     # Only for models that ran: their cells recorded the model's size.
@@ -419,6 +424,39 @@ def summarize(
     summary["overlapped"] = summary["overlapped_with"].fillna("").astype(str) != ""
     summary["ideal_speedup"] = [ideal_speedup(r, summary) for _, r in summary.iterrows()]
     return summary[list(SUMMARY_COLUMNS)]
+
+
+def _mesh_columns(summary: pd.DataFrame, ranks: pd.DataFrame | None) -> pd.DataFrame:
+    """Each row's degrees on the mesh, and from its ranks measured alone (ranks.csv)
+    the collectives by mesh dimension of the busiest and the saved activations of the
+    first."""
+    out = pd.DataFrame([scaling.degrees_of(r) for _, r in summary.iterrows()], index=summary.index)
+    out["comm_by_dim"], out["saved_activation_bytes"] = "", np.nan
+    out["checkpointed_blocks"] = np.nan
+    if ranks is None or ranks.empty:
+        return out
+    keys = [*VARIANT_KEYS, "ac", "strategy", "devices"]
+    ok = ranks[ranks["status"] == "ok"]
+    for (key, mine), i in _matches(ok, summary, keys):
+        loads = [(_bytes(scaling.by_dim(r, r["strategy"])), r) for _, r in mine.iterrows()]
+        busiest = max(loads, key=lambda x: x[0])[1]
+        out.loc[i, "comm_by_dim"] = json.dumps(scaling.by_dim(busiest, key[-2]), sort_keys=True)
+        first = mine.sort_values("rank").iloc[0]
+        for col in ("saved_activation_bytes", "checkpointed_blocks"):
+            out.loc[i, col] = first.get(col, np.nan)
+    return out
+
+
+def _matches(ranks: pd.DataFrame, summary: pd.DataFrame, keys: list[str]):
+    """((key, its ranks), summary index) for each summary row that has ranks."""
+    rows = {tuple(r[k] for k in keys): i for i, r in summary.iterrows()}
+    for key, mine in ranks.groupby(keys, sort=False):
+        if key in rows:
+            yield (key, mine), rows[key]
+
+
+def _bytes(by_dim: dict) -> float:
+    return sum(v["bytes"] for ops in by_dim.values() for v in ops.values())
 
 
 def ideal_speedup(row: pd.Series, summary: pd.DataFrame) -> float:

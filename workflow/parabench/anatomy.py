@@ -73,6 +73,8 @@ PROFILER_STEP = re.compile(r"ProfilerStep#\d+")
 DATA_MARK = "parabench.data"
 COMPUTE_REGIONS = ("forward", "backward", "optimizer", "schedule")  # marks.COMPUTE
 LAUNCH_REGION = "launch"  # marks.LAUNCH: a collective's call, within those
+RECOMPUTE_REGION = "recompute"  # marks.RECOMPUTE: a checkpointed block's forward again
+NESTED_REGIONS = (LAUNCH_REGION, RECOMPUTE_REGION)  # marks.NESTED
 LAUNCH_MARK = "parabench.launch"
 
 # Communication's own spans on a host thread: gloo's and NCCL's work, c10d's calls,
@@ -285,7 +287,7 @@ def _on_cpu(
     contention = max(0.0, runq - turns)  # communication's threads
     # blocked outside the regions (between them) is waiting too; launches are within
     # them, already counted
-    outer = [r for r in regions if r is not step and r["name"] != LAUNCH_REGION]
+    outer = [r for r in regions if r is not step and r["name"] not in NESTED_REGIONS]
     outside = max(0.0, _blocked(step) - sum(_blocked(r) for r in outer))
     # Only while communication was under way can the thread have waited for it (or for
     # a neighbour's send): blocked beyond that, it waited for its own intra-op threads,
@@ -309,6 +311,25 @@ def _on_cpu(
         comm_exposed_s=0.0 if pipelined else wait,
         comm_s=length(clip(comm, lo, hi)),
     )
+
+
+def recompute(regions_per_rank: list[list[list[dict]]], ac: str) -> float:
+    """Seconds a step spent recomputing checkpointed forwards in its backward (the
+    RECOMPUTE regions' time running or runnable, not blocked): the median over
+    profiled steps of the slowest rank's. 0 without activation checkpointing; NaN where
+    none was recorded though blocks were checkpointed (backward ran on a thread that
+    is not the main one: CUDA's autograd thread)."""
+    if ac == "none":
+        return 0.0
+    per_step = [
+        [sum(r["wall_s"] - _blocked(r) for r in s if r["name"] == RECOMPUTE_REGION) for s in rank]
+        for rank in regions_per_rank
+    ]
+    slowest = [max(col) for col in zip(*per_step, strict=False)] if per_step else []
+    if not slowest or not any(slowest):
+        return math.nan
+    slowest.sort()
+    return slowest[len(slowest) // 2]
 
 
 def _step_region(regions: list[dict]) -> dict | None:

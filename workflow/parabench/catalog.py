@@ -15,6 +15,7 @@ that strategy's cells carry them, so a new setting changes no other cell's hash.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 # How a cell's processes are started.
@@ -24,6 +25,73 @@ RANKS_IF_MANY = "ranks if many"  # ranks when devices > 1; plain one process at 
 
 # What a strategy keeps 1/n of on each rank (the rest is replicated).
 PARAMS, GRADS, OPTIMIZER, ACTIVATIONS = "params", "grads", "optimizer", "activations"
+MODEL_STATE = frozenset({PARAMS, GRADS, OPTIMIZER})
+
+# The named device mesh, outermost dimension first, as torchtitan's ParallelDims builds
+# it: tp innermost, so a tensor-parallel group is adjacent ranks (one node's NVLink);
+# pp outermost, so stages talk across the slowest links, the least often.
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
+# A degree that takes the devices the others leave (at most one per layout).
+REST = "rest"
+# What each mesh dimension splits on every rank (the memory model): data parallelism
+# splits the batch, hence activations; sharding, tensor and pipeline parallelism split
+# the model's state as well.
+SPLITS = {
+    "pp": MODEL_STATE | {ACTIVATIONS},
+    "dp_replicate": frozenset({ACTIVATIONS}),
+    "dp_shard": MODEL_STATE | {ACTIVATIONS},
+    "tp": MODEL_STATE | {ACTIVATIONS},
+}
+
+# Activation checkpointing levels: none; full (every repeated block recomputed in
+# backward); selective (torchtitan's per-op policy: matmuls, attention and collectives
+# saved, the cheap elementwise ops recomputed); every<k> (every k-th block in full).
+AC_LEVELS = ("none", "full", "selective")
+AC_PATTERN = r"none|full|selective|every[2-9]"
+
+
+@dataclass(frozen=True)
+class Degrees:
+    """How a strategy lays its ranks on the named mesh (torchtitan's ParallelDims,
+    without context and expert parallelism): each dimension's degree is 1, an integer,
+    REST (the devices the others leave), or the name of one of the record's options
+    (fsdp_tp's `tp`). Their product is the device count."""
+
+    pp: int | str = 1
+    dp_replicate: int | str = 1
+    dp_shard: int | str = 1
+    tp: int | str = 1
+
+    def declared(self) -> tuple[str, ...]:
+        """The dimensions this layout uses (those not fixed at 1), outermost first."""
+        return tuple(d for d in MESH_DIMS if getattr(self, d) != 1)
+
+    def at(self, devices: int, options: dict) -> dict[str, int]:
+        """Each dimension's degree at `devices` (REST rounded down: `problem` says
+        when the devices do not divide)."""
+        out = {}
+        for d in MESH_DIMS:
+            v = getattr(self, d)
+            out[d] = int(options[v]) if isinstance(v, str) and v != REST else v
+        fixed = math.prod(v for v in out.values() if v != REST)
+        return {d: (max(1, devices // fixed) if v == REST else v) for d, v in out.items()}
+
+    def problem(self, name: str, devices: int, options: dict) -> str | None:
+        """Why these degrees cannot lay out `devices`, naming the option at fault."""
+        given = {d: getattr(self, d) for d in self.declared() if getattr(self, d) != REST}
+        fixed = math.prod(int(options[v]) if isinstance(v, str) else v for v in given.values())
+        keys = " x ".join(
+            f"options.{name}.{v} ({options[v]})" if isinstance(v, str) else str(v)
+            for v in given.values()
+        )
+        if devices % fixed:
+            return f"{keys} does not divide {devices} devices"
+        if REST in (getattr(self, d) for d in MESH_DIMS) and devices // fixed < 2:
+            rest = next(d for d in MESH_DIMS if getattr(self, d) == REST)
+            return f"{keys} leaves {rest} {devices // fixed} at {devices} devices (needs >= 2)"
+        if REST not in (getattr(self, d) for d in MESH_DIMS) and devices != fixed:
+            return f"{keys} lays out {fixed} devices, not {devices}"
+        return None
 
 
 @dataclass(frozen=True)
@@ -77,6 +145,16 @@ class StrategyRecord:
     # equivalence tolerance is derived from it (equivalence.py). None: not rounded.
     gradient_bits: int | None = None
     options: dict[str, Option] = field(default_factory=dict)
+    # Its place on the named mesh: a 1-D strategy's one dimension (ddp: dp_replicate),
+    # a layout's several. Read for the checks, the bytes per dimension, the memory
+    # model and the scaling model. None of the three one-process strategies has one.
+    degrees: Degrees = Degrees()
+    takes_ac: bool = True  # activation checkpointing composes with it (per block)
+
+    @property
+    def layout(self) -> bool:
+        """Several mesh dimensions at once: a composition (fsdp_tp, hsdp, ddp_pp...)."""
+        return len(self.degrees.declared()) > 1
 
     @property
     def pipelined(self) -> bool:
@@ -116,6 +194,14 @@ class StrategyRecord:
         if self.batch_split == "microbatches":
             m = options["microbatches"]
             return m, f"options.{self.name}.microbatches ({m})"
+        if self.batch_split == "mesh":  # a layout: the data-parallel ranks (x micro-batches)
+            deg = self.degrees.at(devices, options)
+            dp, m = deg["dp_replicate"] * deg["dp_shard"], options.get("microbatches", 1)
+            m = m if deg["pp"] > 1 else 1
+            say = f"its data-parallel ranks ({dp})" + (
+                f" x options.{self.name}.microbatches ({m})" if m > 1 else ""
+            )
+            return dp * m, say
         return 1, ""
 
 
@@ -125,6 +211,20 @@ _PIPELINE_OPTIONS = {
         "gpipe", "gpipe (all forwards, then all backwards) or 1f1b", choices=("gpipe", "1f1b")
     ),
 }
+
+_RESHARD = Option(
+    True,
+    "true frees gathered parameters after forward (ZeRO-3); false keeps "
+    "them to backward (ZeRO-2-like)",
+)
+# A layout's records: every one is the same class (strategies/layout.py), applying its
+# degrees to the model in torchtitan's order; each differs by its declaration only.
+_LAYOUT = {"impl": "layout:Layout", "launch": RANK_PER_DEVICE, "batch_split": "mesh"}
+
+
+def _degree(dim: str, help: str) -> Option:
+    return Option(2, f"{dim} degree: {help}", minimum=2)
+
 
 _RECORDS = (
     StrategyRecord(
@@ -144,6 +244,7 @@ _RECORDS = (
         cuda_only_beyond_one=True,
         sharded=frozenset({ACTIVATIONS}),
         compiles=False,  # it replicates the module every forward
+        takes_ac=False,  # the same: its replicas' forwards are not the blocks'
     ),
     StrategyRecord(
         "ddp",
@@ -153,6 +254,7 @@ _RECORDS = (
         launch=RANK_PER_DEVICE,
         batch_split="devices",
         sharded=frozenset({ACTIVATIONS}),
+        degrees=Degrees(dp_replicate=REST),
     ),
     StrategyRecord(
         "ddp_compress",
@@ -164,6 +266,7 @@ _RECORDS = (
         sharded=frozenset({ACTIVATIONS}),
         sends="bf16 gradients",
         gradient_bits=8,  # bfloat16: 8 significant bits
+        degrees=Degrees(dp_replicate=REST),
     ),
     StrategyRecord(
         "zero1",
@@ -173,6 +276,7 @@ _RECORDS = (
         launch=RANK_PER_DEVICE,
         batch_split="devices",
         sharded=frozenset({OPTIMIZER, ACTIVATIONS}),
+        degrees=Degrees(dp_replicate=REST),  # its optimizer shards are not a mesh degree
     ),
     StrategyRecord(
         "fsdp",
@@ -182,13 +286,8 @@ _RECORDS = (
         launch=RANK_PER_DEVICE,
         batch_split="devices",
         sharded=frozenset({PARAMS, GRADS, OPTIMIZER, ACTIVATIONS}),
-        options={
-            "reshard_after_forward": Option(
-                True,
-                "true frees gathered parameters after forward (ZeRO-3); false keeps "
-                "them to backward (ZeRO-2-like)",
-            )
-        },
+        options={"reshard_after_forward": _RESHARD},
+        degrees=Degrees(dp_shard=REST),
     ),
     StrategyRecord(
         "tp",
@@ -198,6 +297,7 @@ _RECORDS = (
         launch=RANK_PER_DEVICE,
         needs_tp_plan=True,
         sends="activations",
+        degrees=Degrees(tp=REST),
     ),
     StrategyRecord(
         "model_parallel",
@@ -216,6 +316,7 @@ _RECORDS = (
         cuts_model=True,
         sends="activations",
         options=_PIPELINE_OPTIONS,
+        degrees=Degrees(pp=REST),
     ),
     StrategyRecord(
         "grad_accum",
@@ -226,6 +327,67 @@ _RECORDS = (
         batch_split="devices*accum",
         sharded=frozenset({ACTIVATIONS}),
         options={"accum_steps": Option(2, "micro-batches per optimizer step", minimum=1)},
+        degrees=Degrees(dp_replicate=REST),
+    ),
+    # -- layouts: several degrees on the mesh at once (config/README.md, "Layouts")
+    StrategyRecord(
+        "fsdp_tp",
+        "FSDP×TP",
+        step="FSDP2 over dp_shard, tensor parallel inside each tp group (Llama 3 70B's 2D)",
+        degrees=Degrees(dp_shard=REST, tp="tp"),
+        needs_tp_plan=True,
+        sharded=MODEL_STATE | {ACTIVATIONS},
+        options={
+            "tp": _degree("tp", "ranks that split each layer; dp_shard takes the rest"),
+            "reshard_after_forward": _RESHARD,
+        },
+        **_LAYOUT,
+    ),
+    StrategyRecord(
+        "hsdp",
+        "HSDP",
+        step="FSDP2 shards within each dp_shard group, replicas across dp_replicate all-reduce",
+        degrees=Degrees(dp_replicate="dp_replicate", dp_shard=REST),
+        sharded=MODEL_STATE | {ACTIVATIONS},
+        options={
+            "dp_replicate": _degree("dp_replicate", "replicas (across nodes, typically)"),
+            "reshard_after_forward": _RESHARD,
+        },
+        **_LAYOUT,
+    ),
+    StrategyRecord(
+        "ddp_pp",
+        "DDP×PP",
+        step="pipeline stages over pp, each stage's replicas under DDP over dp_replicate",
+        degrees=Degrees(pp="pp", dp_replicate=REST),
+        cuts_model=True,
+        sends="activations",
+        sharded=frozenset({ACTIVATIONS}),
+        options={"pp": _degree("pp", "pipeline stages"), **_PIPELINE_OPTIONS},
+        **_LAYOUT,
+    ),
+    StrategyRecord(
+        "fsdp_pp",
+        "FSDP×PP",
+        step="pipeline stages over pp, each stage sharded by FSDP2 over dp_shard",
+        degrees=Degrees(pp="pp", dp_shard=REST),
+        cuts_model=True,
+        sends="activations",
+        sharded=MODEL_STATE | {ACTIVATIONS},
+        options={"pp": _degree("pp", "pipeline stages"), **_PIPELINE_OPTIONS},
+        **_LAYOUT,
+    ),
+    StrategyRecord(
+        "tp_pp",
+        "TP×PP",
+        step="pipeline stages over pp, each stage's layers split by tensor parallelism",
+        degrees=Degrees(pp="pp", tp=REST),
+        cuts_model=True,
+        needs_tp_plan=True,
+        sends="activations",
+        sharded=MODEL_STATE | {ACTIVATIONS},
+        options={"pp": _degree("pp", "pipeline stages"), **_PIPELINE_OPTIONS},
+        **_LAYOUT,
     ),
 )
 
@@ -244,10 +406,22 @@ def record(strategy: str) -> StrategyRecord:
     return CATALOG[strategy]
 
 
-def device_counts(strategy: str, devices: list[int]) -> list[int]:
-    """The device counts a strategy is swept over (`single` is one device by definition)."""
-    fixed = CATALOG[strategy].fixed_devices
-    return [fixed] if fixed else sorted(set(devices))
+def default_strategies() -> tuple[str, ...]:
+    """What a config without `strategies` sweeps: every strategy of one dimension.
+    Layouts run where a config names them (each needs 4 or more devices)."""
+    return tuple(r.name for r in _RECORDS if not r.layout)
+
+
+def device_counts(strategy: str, devices: list[int], options: dict | None = None) -> list[int]:
+    """The device counts a strategy is swept over: `single` at one device by definition,
+    a layout where its degrees lay the devices out (fsdp_tp with tp 2: 4, 8...)."""
+    rec = CATALOG[strategy]
+    if rec.fixed_devices:
+        return [rec.fixed_devices]
+    if rec.layout:
+        opts = {**{k: o.default for k, o in rec.options.items()}, **(options or {})}
+        return [n for n in sorted(set(devices)) if not rec.degrees.problem(rec.name, n, opts)]
+    return sorted(set(devices))
 
 
 def multi_rank(strategies: list[str] | tuple[str, ...] = STRATEGIES) -> list[str]:

@@ -10,9 +10,10 @@ The workflow calls `problems` for every cell when it plans, before any job start
 from __future__ import annotations
 
 import math
+import re
 
 from parabench import models
-from parabench.catalog import CATALOG, OPTIMIZERS, PRECISIONS, STRATEGIES
+from parabench.catalog import AC_PATTERN, CATALOG, OPTIMIZERS, PRECISIONS, STRATEGIES
 from parabench.spec import RunSpec
 
 # On device cpu each "device" is a process on one machine: past this, a typo, not a plan.
@@ -46,6 +47,8 @@ def _settings(spec: RunSpec, launching: bool) -> list[str]:
         )
     if spec.precision not in PRECISIONS:
         out.append(f"precision: must be one of {list(PRECISIONS)}, got {spec.precision!r}")
+    if not re.fullmatch(AC_PATTERN, spec.ac):
+        out.append(f"ac: must be none, full, selective or every2..every9, got {spec.ac!r}")
     if spec.optimizer not in OPTIMIZERS:
         out.append(f"optimizer: must be one of {list(OPTIMIZERS)}, got {spec.optimizer!r}")
     for key in ("steps", "batch_size", "profile_steps"):
@@ -96,15 +99,17 @@ def _combination(spec: RunSpec) -> list[str]:
         out.append(
             f"models.{name}.batch_size: global batch {spec.global_batch} is not divisible by {what}"
         )
+    if rec.layout and (why := rec.degrees.problem(spec.strategy, spec.devices, options)):
+        out.append(why)
     if spec.nodes > 1 and spec.devices % spec.nodes:
         out.append(
             f"devices: {spec.devices} devices over {spec.nodes} nodes "
             f"(gpus_per_node {spec.gpus_per_node}) is not the same count on every node"
         )
-    if options.get("schedule") == "1f1b" and options["microbatches"] < spec.devices:
+    if options.get("schedule") == "1f1b" and options["microbatches"] < spec.stages:
         out.append(
             f"options.{spec.strategy}.microbatches: 1F1B needs micro-batches >= stages "
-            f"({options['microbatches']} < {spec.devices})"
+            f"({options['microbatches']} < {spec.stages})"
         )
     return out
 
@@ -125,7 +130,12 @@ def static_skip_reason(spec: RunSpec) -> str | None:
         )
     if spec.compile and not rec.compiles:
         return f"torch.compile does not compose with {rec.label} (compile: true)"
-    if rec.needs_tp_plan or rec.cuts_model:
+    if spec.ac != "none" and not rec.takes_ac:
+        return (
+            f"activation checkpointing does not compose with {rec.label} (ac: {spec.ac}): "
+            "it replicates the module every forward"
+        )
+    if rec.needs_tp_plan or rec.cuts_model or spec.ac != "none":
         return shape_skip_reason(spec, models.facts(spec.model))
     return None
 
@@ -145,16 +155,18 @@ def shape_skip_reason(spec: RunSpec, facts: models.ModelFacts) -> str | None:
                 f"{spec.strategy} needs a tensor-parallel plan, and models.{name} declares "
                 "none (a custom factory returns tp_plan)"
             )
-        if why := facts.tp_problem(spec.devices):
+        if why := facts.tp_problem(spec.degrees["tp"]):
             return f"models.{name}.{why}"
     if rec.cuts_model:
         if facts.cut_skip:
             return (
                 f"{spec.strategy} cuts stages between the blocks of models.{name}: {facts.cut_skip}"
             )
-        if spec.devices > facts.n_blocks:
+        if spec.stages > facts.n_blocks:
             return (
-                f"{spec.strategy} at {spec.devices} devices needs {spec.devices} stages, and "
+                f"{spec.strategy} at {spec.devices} devices needs {spec.stages} stages, and "
                 f"models.{name} has only {facts.n_blocks} blocks"
             )
+    if spec.ac != "none" and not facts.n_blocks:
+        return f"ac: {spec.ac} checkpoints blocks, and models.{name} declares none"
     return None

@@ -17,7 +17,7 @@ from pathlib import Path
 import yaml
 
 from parabench import checks
-from parabench.catalog import CATALOG, STRATEGIES, device_counts
+from parabench.catalog import CATALOG, STRATEGIES, default_strategies, device_counts
 from parabench.fabric import PROFILES
 from parabench.spec import ModelSpec, RunSpec
 
@@ -28,7 +28,7 @@ SCHEMA = Path(__file__).resolve().parents[1] / "schemas" / "config.schema.yaml"
 MODEL_KEYS = ("arch", "batch_size", "strategies", "devices")
 # Axes that multiply the cells: each is a list in the config (a single value is taken
 # as a list of one), and each enters the cell's identity and path.
-AXES = ("precision", "optimizer", "compile")
+AXES = ("precision", "optimizer", "compile", "ac")
 # Message sizes of the collectives benchmark (bytes): 1 KiB, 4 KiB, ... 64 MiB.
 COLLECTIVE_BYTES = tuple(2**k for k in range(10, 27, 2))
 
@@ -130,16 +130,16 @@ class Cell:
 
 
 def axis(config: dict, key: str) -> list:
-    """The levels of one axis (defaults: fp32, sgd, no compile)."""
+    """The levels of one axis (defaults: fp32, sgd, no compile, no checkpointing)."""
     value = config.get(key, RunSpec.__dataclass_fields__[key].default)
     return list(dict.fromkeys(value)) if isinstance(value, list) else [value]
 
 
 def strategies(config: dict, model: str | None = None) -> list[str]:
     """The strategies swept (for `model`, if its entry names its own); every strategy
-    in the catalog when none are given."""
+    of one dimension in the catalog when none are given (layouts run where named)."""
     own = config["models"][model].get("strategies") if model else None
-    return list(own or config.get("strategies") or STRATEGIES)
+    return list(own or config.get("strategies") or default_strategies())
 
 
 def devices(config: dict, model: str) -> list[int]:
@@ -172,15 +172,31 @@ def spec_for(
     )
 
 
+def strategy_options(config: dict, strategy: str) -> dict:
+    """The config's settings of one strategy (options.<strategy>)."""
+    return (config.get("options") or {}).get(strategy) or {}
+
+
 def cells(config: dict) -> list[Cell]:
+    """The product of models, axes, strategies, device counts and repeats, then the
+    `also` cells that the product does not already hold."""
     out = []
     for model in config["models"]:
         for levels in itertools.product(*(axis(config, k) for k in AXES)):
             at = dict(zip(AXES, levels, strict=True))
             for strategy in strategies(config, model):
-                for n in device_counts(strategy, devices(config, model)):
+                own = strategy_options(config, strategy)
+                for n in device_counts(strategy, devices(config, model), own):
                     for r in range(config["repeats"]):
                         out.append(Cell(spec_for(config, model, strategy, n, r, **at)))
+    have = {c.path for c in out}
+    for extra in config.get("also") or []:
+        at = {k: extra[k] for k in AXES if k in extra}
+        for r in range(config["repeats"]):
+            spec = spec_for(config, extra["model"], extra["strategy"], extra["devices"], r, **at)
+            if spec.path not in have:
+                have.add(spec.path)
+                out.append(Cell(spec))
     return out
 
 
@@ -202,15 +218,15 @@ def alone_ranks(config: dict) -> list[tuple[RunSpec, int]]:
     for spec in _multi_rank(config):
         if checks.problems(spec, launching=False):
             continue  # the cell records why it did not run
-        stages = spec.devices if spec.record.pipelined else 1
-        out.extend((spec, r) for r in range(stages))
+        # pp is the mesh's outermost dimension: stage s begins at rank s x (n / pp)
+        out.extend((spec, s * (spec.devices // spec.stages)) for s in range(spec.stages))
     return out
 
 
 def rank_key(spec: RunSpec, rank: int) -> dict:
     """A ranks.csv row's key: the cell's variant, strategy, devices and the rank."""
     variant = {"model": spec.model_name, "precision": spec.precision}
-    variant.update(optimizer=spec.optimizer, compile=spec.compile)
+    variant.update(optimizer=spec.optimizer, compile=spec.compile, ac=spec.ac)
     return {**variant, "strategy": spec.strategy, "devices": spec.devices, "rank": rank}
 
 
@@ -229,7 +245,7 @@ def planned_specs(config: dict) -> list[RunSpec]:
 def plan_key(spec: RunSpec) -> dict:
     """A plan.csv row's key: the planned rank's variant, strategy and world size."""
     variant = {"model": spec.model_name, "precision": spec.precision}
-    variant.update(optimizer=spec.optimizer, compile=spec.compile)
+    variant.update(optimizer=spec.optimizer, compile=spec.compile, ac=spec.ac)
     return {**variant, "strategy": spec.strategy, "world_size": spec.devices}
 
 
@@ -261,6 +277,12 @@ def problems(config: dict, workdir: Path | None = None) -> list[str]:
     for s in config.get("options") or {}:
         if s not in CATALOG:
             out.append(f"options.{s}: not a strategy; known: {list(STRATEGIES)}")
+    for i, extra in enumerate(config.get("also") or []):
+        if extra["model"] not in config["models"]:
+            out.append(f"also[{i}].model: {extra['model']!r} is not a model of this config")
+        if extra["strategy"] not in STRATEGIES:
+            out.append(f"also[{i}].strategy: unknown strategy {extra['strategy']!r}")
+    out += _layout_problems(config, named)
     if out:  # the cells cannot be planned: the plan's checks would plan them
         return out
     out += plan_problems(config, workdir)
@@ -292,6 +314,24 @@ def problems(config: dict, workdir: Path | None = None) -> list[str]:
         res = (workdir / config["results"]).resolve()
         if not res.is_relative_to(workdir.resolve()):
             out.append(f"results: {config['results']!r} lies outside the working directory")
+    return out
+
+
+def _layout_problems(config: dict, named: set) -> list[str]:
+    """A layout whose degrees lay out none of its model's device counts: the key."""
+    out = []
+    for model, s in sorted((m, s) for m, s in named if m is not None):
+        rec = CATALOG.get(s)
+        if rec is None or not rec.layout:
+            continue
+        given = strategy_options(config, s)
+        if any(k in rec.options and rec.options[k].problem(k, v) for k, v in given.items()):
+            continue  # the cell checks name the option (checks._settings)
+        opts = {**{k: o.default for k, o in rec.options.items()}, **given}
+        counts = devices(config, model)
+        if not device_counts(s, counts, opts):
+            why = rec.degrees.problem(s, max(counts), opts)
+            out.append(f"strategies: {s} lays out none of models.{model}'s devices {counts}: {why}")
     return out
 
 
@@ -339,8 +379,10 @@ def collective_devices(config: dict) -> list[int]:
     """Device counts that get a collectives benchmark: every n > 1 at which some cell
     runs as n ranks on one node (what the scaling model needs curves for); on CUDA also
     n = 1 where a cell runs one rank under torchrun, so that one GPU runs NCCL's
-    collectives through the benchmark's launch path too."""
+    collectives through the benchmark's launch path too. A layout's collectives run
+    over each mesh dimension's group: curves at each degree too."""
     counts = {s.devices for s in _multi_rank(config)}
+    counts |= {k for s in _multi_rank(config) for k in s.degrees.values() if k > 1}
     one = (c.spec for c in cells(config) if c.spec.repeat == 0 and c.spec.devices == 1)
     if any(s.torchrun and not checks.static_skip_reason(s) for s in one):
         counts.add(1)

@@ -22,12 +22,21 @@ profiled steps have no parts (anatomy.NO_KERNEL) is flagged with that reason.
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pandas as pd
 
 from parabench import anatomy
 from parabench.catalog import record
-from parabench.scaling import bubble_time, comm_time, options
+from parabench.scaling import (
+    bubble_time,
+    comm_time,
+    curve_time,
+    degrees_of,
+    layout_comm,
+    options,
+)
 
 TOLERANCE = 0.20
 COLUMNS = (
@@ -45,18 +54,35 @@ def _off(measured: float, check: float) -> float:
     return measured / check - 1 if check and np.isfinite(check) else np.nan
 
 
+def _curve_comm(row: pd.Series, curves: pd.DataFrame, n: int) -> float:
+    """The collectives the step issued, on the benchmark's curves: a layout's each
+    along its mesh dimension, at its degree (its counts by dimension, from its ranks
+    measured alone); any other strategy's all at n, from its trace's counts."""
+    if record(row["strategy"]).layout and row.get("comm_by_dim"):
+        return layout_comm(
+            [json.loads(row["comm_by_dim"])],
+            lambda op, k, nbytes: curve_time(curves, op, k, nbytes),
+            degrees_of(row),
+            options(row).get("microbatches", 1),
+        )
+    return comm_time(row["comm_by_op"], curves, n)
+
+
 def check(row: pd.Series, curves: pd.DataFrame) -> dict:
     """The checks of one summary row (NaN where a check does not apply)."""
     n = int(row["devices"])
     work = anatomy.work(row)
     paired = row.get("work_ratio")
     out = {"work_check": paired - 1 if pd.notna(paired) else _off(work, row["step_nocomm_s"])}
-    comm = comm_time(row["comm_by_op"], curves, n) if n > 1 else np.nan
+    comm = _curve_comm(row, curves, n) if n > 1 else np.nan
     out["comm_curve_s"] = comm
     out["comm_check"] = _off(row["comm_s"], comm) if comm and row["comm_s"] else np.nan
     rec = record(row["strategy"])
+    stages = degrees_of(row)["pp"]
     bubble = (
-        bubble_time(rec, row["compute_s"], n, options(row)) if rec.pipelined and n > 1 else np.nan
+        bubble_time(rec, row["compute_s"], stages, options(row))
+        if rec.pipelined and stages > 1
+        else np.nan
     )
     out["schedule_bubble_s"] = bubble
     out["bubble_check"] = _off(row["bubble_s"], bubble)

@@ -37,6 +37,11 @@ COMPUTE = (FORWARD, BACKWARD, OPTIMIZER, SCHEDULE)
 # gloo, the work the call does before gloo's threads take over). Communication's time,
 # not compute's; a strategy marks it where torch lets it reach the call (FSDP's comms).
 LAUNCH = "launch"
+# A checkpointed block's forward run again in backward (activation checkpointing):
+# compute, within the backward, measured apart for what recompute costs.
+RECOMPUTE = "recompute"
+# Regions inside the compute regions: their time is already their parents'.
+NESTED = (LAUNCH, RECOMPUTE)
 PREFIX = "parabench."
 _SCHEDSTAT = Path("/proc/thread-self/schedstat")
 
@@ -138,15 +143,17 @@ _counters: _Counters | None = None
 
 
 @contextlib.contextmanager
-def region(name: str) -> Iterator[None]:
+def region(name: str, traced: bool = True) -> Iterator[None]:
     """Mark a region of the step (free unless a profiled step is recording). Only the
     recording thread's count: a hook on another thread (CUDA's autograd runs backward
-    on a device thread) would add that thread's figures to the main thread's."""
+    on a device thread) would add that thread's figures to the main thread's.
+    `traced` False: no range in the trace (its record_function is an op, which a
+    selective checkpoint's recompute must not meet where its forward did not)."""
     if _recording is None or threading.get_ident() != _recorder:
         yield
         return
     regions, counters = _recording, _counters
-    with record_function(PREFIX + name):
+    with record_function(PREFIX + name) if traced else contextlib.nullcontext():
         cpu0, runq0 = counters.read()
         t0 = time.perf_counter()
         try:

@@ -199,6 +199,26 @@ def used(group: dist.ProcessGroup | None) -> bool:
 
 
 @contextlib.contextmanager
+def counting_each(
+    groups: dict[str, dist.ProcessGroup],
+) -> Iterator[dict[str, dict[str, dict[str, float]]]]:
+    """`counting` over several groups at once (a layout's mesh dimensions), by name."""
+    with contextlib.ExitStack() as stack:
+        yield {name: stack.enter_context(counting(g)) for name, g in groups.items()}
+
+
+def merged(tallies: dict[str, dict[str, dict[str, float]]]) -> dict[str, dict[str, float]]:
+    """Several groups' tallies as one: per op, calls and bytes summed."""
+    out: dict[str, dict[str, float]] = {}
+    for tally in tallies.values():
+        for op, v in tally.items():
+            entry = out.setdefault(op, {"count": 0.0, "bytes": 0.0})
+            entry["count"] += v["count"]
+            entry["bytes"] += v["bytes"]
+    return out
+
+
+@contextlib.contextmanager
 def counting(group: dist.ProcessGroup) -> Iterator[dict[str, dict[str, float]]]:
     """The collectives issued over `group` (a LocalGroup) inside the block: per op,
     calls and bytes."""

@@ -39,7 +39,7 @@ from parabench import checks, envinfo
 from parabench.config import plan_key, planned_specs
 from parabench.fabric import Fabric
 from parabench.records import PLAN_COLUMNS, PLAN_KEY, read_rows, write_rows
-from parabench.scaling import bubble_time, critical_comm
+from parabench.scaling import bubble_time, layout_comm
 from parabench.spec import RunSpec
 
 
@@ -49,16 +49,13 @@ def _fits(peak: int, memory: int | None) -> bool | None:
 
 def predict(row: dict, spec: RunSpec, fabric: Fabric) -> dict:
     """The planned rank's step on `fabric`, by the scaling model's terms."""
-    n = spec.devices
     compute, settings = row["compute_s"], dict(spec.options)
     m = settings.get("microbatches", 1)
-
-    def time_of(op: str, nbytes: float) -> float:
-        return fabric.time(op, n, nbytes)
-
     # the rank planned is rank 0: for a pipeline, its first stage's sends alone
-    comm = critical_comm([row["comm_by_op"]], time_of, spec.record.pipelined, m)
-    bubble = bubble_time(spec.record, compute, n, settings)
+    comm = layout_comm(
+        [row["comm_by_dim"]], lambda op, k, b: fabric.time(op, k, b), spec.degrees, m
+    )
+    bubble = bubble_time(spec.record, compute, spec.stages, settings)
     step = compute + comm + bubble
     return {
         "comm_s": comm,
@@ -107,7 +104,8 @@ def run_plan(config: dict, fabric: Fabric, out: Path) -> pd.DataFrame:
             row = {**base, **measured(spec, cores)}
             if row["status"] == "ok":
                 row.update(predict(row, spec, fabric))
-                row["comm_by_op"] = json.dumps(row["comm_by_op"], sort_keys=True)
+                for key in ("comm_by_op", "comm_by_dim"):
+                    row[key] = json.dumps(row[key], sort_keys=True)
         rows.append(row)
         write_rows(path, PLAN_COLUMNS, rows)
         if row["status"] != "skipped":

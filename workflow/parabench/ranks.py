@@ -24,6 +24,7 @@ why. `parabench plan` measures ranks at world sizes no one here has (plan.py).
 
 from __future__ import annotations
 
+import itertools
 import json
 import statistics
 import time
@@ -39,6 +40,7 @@ from parabench.loop import run_step, synchronizer
 from parabench.models import build
 from parabench.records import RANK_COLUMNS, write_rows
 from parabench.spec import RunSpec
+from parabench.strategies import checkpointing
 
 STEPS, WARMUP = 6, 2  # the rank's timed steps (median) after its warm-up
 
@@ -73,7 +75,12 @@ def rank_of(spec: RunSpec, threads: int, rank: int = 0) -> dict:
         group.alone = True  # no peer will ever send (nocomm.py)
         cores = envinfo.usable_cores()
         # Alone on its host: local rank 0 of 1, so it needs the one device it drives.
-        ctx = runtime.Context(rank, world, 0, device, threads, True, 1, (), cores, group, group)
+        meshes = None
+        if spec.record.layout:
+            meshes = runtime.build_meshes(spec.degrees, device.type, f"_{next(_BUILT)}")
+        ctx = runtime.Context(
+            rank, world, 0, device, threads, True, 1, (), cores, group, group, meshes
+        )
         if reason := strategies.get(spec.strategy).skip_reason(spec, ctx):
             return {"status": "skipped", "reason": reason}
         model = build(spec.model, spec.seed)
@@ -92,10 +99,15 @@ def rank_of(spec: RunSpec, threads: int, rank: int = 0) -> dict:
         held = strategy.held_bytes()
         # The group counts the collectives (c10d calls it past the profiler), so the
         # profiler records memory only: shapes cost a third of the time.
-        with nocomm.counting(group) as comm:
+        # Each mesh dimension's group counts its own (a 1-D strategy's one dimension is
+        # the world): the bytes per dimension, and their sum per op.
+        groups = ctx.named_mesh().groups() if meshes else {_one_dim(spec): group}
+        with nocomm.counting_each(groups) as by_dim:
             counted = profiling.StepProfiler(ctx).count(
                 lambda: run_step(strategy, batches, STEPS + WARMUP, sync), shapes=False
             )
+        comm = nocomm.merged(by_dim)
+        saved = saved_activations(lambda: run_step(strategy, batches, STEPS + WARMUP + 1, sync))
         return {
             "status": "ok",
             "reason": "",
@@ -109,12 +121,60 @@ def rank_of(spec: RunSpec, threads: int, rank: int = 0) -> dict:
             "compute_s": statistics.median(times[WARMUP:]),
             "compute_steps_s": times[WARMUP:],
             "comm_by_op": comm,
+            "comm_by_dim": by_dim,
+            "saved_activation_bytes": saved,
+            "checkpointed_blocks": checkpointing.count(model.blocks()),
             "comm_bytes_per_step": sum(v["bytes"] for v in comm.values()),
             "collectives_per_step": sum(v["count"] for v in comm.values()),
         }
     finally:
         dist.destroy_process_group()
+        _forget_meshes()
         torch.set_num_threads(envinfo.usable_cores())
+
+
+# Meshes built in this process: each rank's are named apart (runtime.build_meshes), or
+# the next rank's DTensors would find plans cached for the last one's meshes, which
+# compare equal (DeviceMesh equality ignores its groups), and run their collectives over
+# groups destroyed by then ("Could not resolve the process group").
+_BUILT = itertools.count()
+
+
+def _forget_meshes() -> None:
+    """Drop DTensor's plans made on this rank's meshes, which they keep alive."""
+    from torch.distributed.tensor import DTensor, _redistribute
+
+    DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
+    _redistribute._planner_cache.clear()
+
+
+def saved_activations(step) -> int | None:
+    """Bytes of activations saved for backward when the forward ends, by torch's own
+    memory tracker (MemTracker: every tensor by category, on one more step): the
+    largest over the modules whose forward it saw end, which is the outermost one's.
+    None where the tracker cannot follow the step (it reads torch internals)."""
+    from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType, _ModState
+
+    try:
+        tracker = MemTracker()
+        with tracker:
+            step()
+        saved = [
+            snap.get(_MemRefType.ACT, 0)
+            for state in tracker.memory_tracking.values()
+            if hasattr(state, "snapshots")
+            for taken in state.snapshots.get(_ModState.POST_FW, [])
+            for snap in taken.values()
+        ]
+    except Exception:  # a missing figure, not a failed rank
+        return None
+    return max(saved, default=None)
+
+
+def _one_dim(spec: RunSpec) -> str:
+    """The mesh dimension a 1-D strategy's world is (ddp: dp_replicate), or "world"
+    for a strategy with none."""
+    return next(iter(spec.record.degrees.declared()), "world")
 
 
 def measured(spec: RunSpec, threads: int, rank: int = 0) -> dict:
@@ -146,7 +206,7 @@ def run_ranks(config: dict, out: Path) -> None:
         threads = threads_of(spec, rank, cores)
         t0 = time.perf_counter()
         got = measured(spec, threads, rank)
-        for key in ("comm_by_op", "compute_steps_s"):
+        for key in ("comm_by_op", "comm_by_dim", "compute_steps_s"):
             if key in got:
                 got[key] = json.dumps(got[key], sort_keys=True)
         rows.append({**rank_key(spec, rank), "threads": threads, **got})

@@ -16,7 +16,7 @@ import tempfile
 import time
 from pathlib import Path
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 STATUSES = ("ok", "skipped", "failed", "diverged")
 # Statuses whose cells ran their steps (steps.csv holds them): a diverged cell's loss
 # became NaN or inf, so its times are kept but never ranked, its parameters never compared.
@@ -27,11 +27,12 @@ RAN = ("ok", "diverged")
 CELL_DIR = "runs/{model}/{variant}/{strategy}/n{devices}/r{repeat}"
 
 # A cell's key, in every record and table (RunSpec.identity() gives it).
-CELL_KEYS = ("model", "precision", "optimizer", "compile", "strategy", "devices", "repeat")
+CELL_KEYS = ("model", "precision", "optimizer", "compile", "ac", "strategy", "devices", "repeat")
 # The same without the repeat: one row of summary.csv.
 SUMMARY_KEYS = CELL_KEYS[:-1]
 # The axes a speedup is taken within: a strategy is compared with `single` of the same
-# model, precision, optimizer and compile setting.
+# model, precision, optimizer and compile setting, without activation checkpointing
+# (which leaves the maths as it was): an AC cell's speedup shows what recompute costs.
 VARIANT_KEYS = ("model", "precision", "optimizer", "compile")
 
 # One row per optimizer step of one cell (warm-up rows kept, marked by `phase`).
@@ -41,6 +42,7 @@ STEP_COLUMNS: dict[str, str] = {
     "precision": "fp32, or bf16 (autocast; parameters and optimizer in fp32)",
     "optimizer": "sgd or adamw",
     "compile": "True when each block's forward ran under torch.compile",
+    "ac": "activation checkpointing: none, full, selective or every<k> (blocks)",
     "strategy": "strategy name",
     "devices": "devices (GPUs, or CPU processes / stage slots) the cell used",
     "repeat": "index of the separate launch this cell was",
@@ -57,7 +59,7 @@ META_KEYS = ("schema_version", "status", "reason", *CELL_KEYS)
 
 
 # ranks.csv (ranks.py): one row per rank measured alone, what the scaling model reads
-RANK_KEY = (*VARIANT_KEYS, "strategy", "devices", "rank")
+RANK_KEY = (*VARIANT_KEYS, "ac", "strategy", "devices", "rank")
 RANK_COLUMNS = (
     *RANK_KEY,
     "status",
@@ -67,17 +69,20 @@ RANK_COLUMNS = (
     "compute_s",
     "compute_steps_s",
     "comm_by_op",
+    "comm_by_dim",
     "comm_bytes_per_step",
     "collectives_per_step",
     "params_bytes_per_rank",
     "grads_bytes_per_rank",
     "optimizer_bytes_per_rank",
     "peak_memory_bytes",
+    "saved_activation_bytes",
+    "checkpointed_blocks",
 )
 
 
 # plan.csv (plan.py): one row per planned rank, rank 0 of a world of N
-PLAN_KEY = (*VARIANT_KEYS, "strategy", "world_size")
+PLAN_KEY = (*VARIANT_KEYS, "ac", "strategy", "world_size")
 PLAN_COLUMNS = (
     *PLAN_KEY,
     "status",
@@ -96,6 +101,7 @@ PLAN_COLUMNS = (
     "comm_bytes_per_step",
     "collectives_per_step",
     "comm_by_op",
+    "comm_by_dim",
     "comm_s",
     "bubble_s",
     "predicted_step_s",
@@ -275,8 +281,13 @@ SUMMARY_COLUMNS: dict[str, str] = {
     "precision": "fp32 or bf16",
     "optimizer": "sgd or adamw",
     "compile": "each block's forward under torch.compile",
+    "ac": "activation checkpointing: none, full, selective or every<k>",
     "strategy": "strategy",
     "devices": "devices",
+    "pp": "pipeline degree on the mesh (stages)",
+    "dp_replicate": "replicated data-parallel degree (DDP's, HSDP's replicas)",
+    "dp_shard": "sharded data-parallel degree (FSDP's)",
+    "tp": "tensor-parallel degree",
     "scaling": "strong (global batch fixed) or weak (per-device batch fixed)",
     "status": "diverged if any repeat's loss became NaN or inf; else ok if any repeat ran, "
     "else skipped or failed",
@@ -324,6 +335,8 @@ SUMMARY_COLUMNS: dict[str, str] = {
     "comm_exposed_s": "communication the rank waited for (on CPU also the turns its compute "
     "lost to communication's threads): not hidden by compute",
     "bubble_s": "pipelines: a stage waiting for its neighbour, transfers included",
+    "recompute_s": "activation checkpointing: the forward run again in backward (a share of "
+    "compute_s; 0 without AC; empty where backward ran off the main thread, as on CUDA)",
     "data_s": "batch fetch (DataLoader mode) and host-to-device copies",
     "other_s": "the rest of the profiled step: Python between regions, launch overhead",
     "profiled_step_s": "the parts' sum: the critical profiled step",
@@ -350,6 +363,11 @@ SUMMARY_COLUMNS: dict[str, str] = {
     "comm_bytes_per_step": "bytes handed to collectives and send/recv per step, busiest rank",
     "collectives_per_step": "collectives and send/recv issued per step, busiest rank",
     "comm_by_op": "per op: collectives and bytes per step (JSON), busiest rank",
+    "comm_by_dim": "per mesh dimension, per op: collectives and bytes per step (JSON), counted "
+    "by each dimension's group on the busiest rank measured alone (ranks.csv)",
+    "saved_activation_bytes": "activations saved for backward after the forward, rank 0 "
+    "measured alone, by torch's MemTracker (ranks.csv)",
+    "checkpointed_blocks": "blocks activation checkpointing recomputes (ranks.csv)",
     "predicted_compute_s": "scaling model: one rank of the strategy at n measured alone "
     "(ranks.csv; a pipeline's slowest stage) x ranks_per_core; one-process strategies: "
     "their one-device step",

@@ -41,6 +41,9 @@ class Context:
     host_cores: int = 1  # the cores this host's ranks share (the allocation's)
     group: dist.ProcessGroup | None = None  # what the strategy communicates over
     local: dist.ProcessGroup | None = None  # the no-communication group (nocomm.py)
+    # A layout's named meshes (several mesh dimensions): the real one and the one
+    # without communication, the pair as group and local are.
+    meshes: tuple[NamedMesh, NamedMesh] | None = None
 
     @property
     def is_main(self) -> bool:
@@ -61,6 +64,12 @@ class Context:
         """This context with every collective returning at once, on this rank's data."""
         return dataclasses.replace(self, group=self.local)
 
+    def named_mesh(self) -> NamedMesh:
+        """The layout's named mesh over this context's groups (real, or without
+        communication)."""
+        assert self.meshes, "a layout's context has meshes (runtime.start)"
+        return self.meshes[0] if self.communicates else self.meshes[1]
+
     def mesh(self):
         """A 1-D device mesh over this context's group. Named after the group: DTensor
         caches sharding plans by mesh, and two meshes of the same ranks compare equal,
@@ -69,6 +78,68 @@ class Context:
 
         name = "world" if self.communicates else "nocomm"
         return DeviceMesh.from_group(self.group, self.device.type, mesh_dim_names=(name,))
+
+
+class NamedMesh:
+    """A layout's device mesh, named by catalog.MESH_DIMS, with the dimensions of degree
+    1 left out (torchtitan's ParallelDims.build_mesh). The no-communication mesh's
+    names carry a suffix: DeviceMesh compares equal by layout and names, never by its
+    groups, and DTensor caches by mesh, so one named like the real one would reuse the
+    real one's collectives."""
+
+    def __init__(self, mesh, degrees: dict[str, int], suffix: str = "") -> None:
+        self.mesh, self.degrees, self.suffix = mesh, degrees, suffix
+
+    def get(self, *dims: str):
+        """The (sub)mesh over these dimensions, all of degree > 1."""
+        names = tuple(d + self.suffix for d in dims)
+        return self.mesh[names[0]] if len(names) == 1 else self.mesh[names]
+
+    def group(self, dim: str) -> dist.ProcessGroup:
+        return self.get(dim).get_group()
+
+    def coordinate(self, dim: str) -> int:
+        """This rank's index along `dim` (0 along a dimension of degree 1)."""
+        if self.degrees[dim] == 1:
+            return 0
+        return self.get(dim).get_local_rank()
+
+    def groups(self) -> dict[str, dist.ProcessGroup]:
+        """Each dimension of degree > 1 and this rank's group along it."""
+        return {d: self.group(d) for d, k in self.degrees.items() if k > 1}
+
+
+def build_meshes(
+    degrees: dict[str, int], device_type: str, tag: str = ""
+) -> tuple[NamedMesh, NamedMesh]:
+    """The layout's real mesh over the default group's backend, and the same mesh
+    without communication (nocomm.BACKEND on every dimension). Every rank calls it, in
+    the same order: each dimension's groups are made collectively. Where the default
+    group is itself without communication (ranks.py's rank alone), both are local.
+    `tag` ends every name: a process that builds meshes of one shape again, over new
+    groups (ranks.py, a rank after another), must not meet DTensor's plans cached for
+    the last ones, which compare equal by shape and names."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from parabench.catalog import MESH_DIMS
+
+    dims = tuple(d for d in MESH_DIMS if degrees[d] > 1)
+    shape = tuple(degrees[d] for d in dims)
+    names = tuple(d + tag for d in dims)
+    real = NamedMesh(init_device_mesh(device_type, shape, mesh_dim_names=names), degrees, tag)
+    local_names = tuple(f"{d}_nocomm{tag}" for d in dims)
+    local = init_device_mesh(
+        device_type,
+        shape,
+        mesh_dim_names=local_names,
+        backend_override={d: nocomm.BACKEND for d in local_names},
+    )
+    local = NamedMesh(local, degrees, "_nocomm" + tag)
+    if nocomm.used(dist.group.WORLD):  # a rank alone: no peer will ever send
+        for mesh in (real, local):
+            for group in mesh.groups().values():
+                group.alone = True
+    return real, local
 
 
 def resolve_device_type(requested: str) -> str:
@@ -156,6 +227,7 @@ def start(spec: RunSpec) -> Context:
                 backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
             )
         distributed, group, local = True, dist.group.WORLD, nocomm.local_group()
+    meshes = build_meshes(spec.degrees, device.type) if spec.record.layout else None
     return Context(
         rank,
         world,
@@ -168,6 +240,7 @@ def start(spec: RunSpec) -> Context:
         host_cores,
         group,
         local,
+        meshes,
     )
 
 

@@ -35,13 +35,14 @@ report publishes the error (MAPE) per strategy, per device count and overall.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable
 
 import numpy as np
 import pandas as pd
 
 from parabench import anatomy
-from parabench.catalog import ACTIVATIONS, GRADS, OPTIMIZER, PARAMS, REFERENCE, record
+from parabench.catalog import ACTIVATIONS, GRADS, OPTIMIZER, PARAMS, REFERENCE, SPLITS, record
 from parabench.ops import OPS
 
 TOLERANCE = 0.25
@@ -108,7 +109,7 @@ def measured_alone(
     if len(bad := mine[mine["status"] != "ok"]):
         r = bad.iloc[0]
         return mine.iloc[:0], f"its rank {r['rank']} measured alone {r['status']}: {r['reason']}"
-    wanted = int(row["devices"]) if record(row["strategy"]).pipelined else 1
+    wanted = degrees_of(row)["pp"] if record(row["strategy"]).pipelined else 1
     if len(mine) < wanted:
         return mine.iloc[:0], "no rank of it was measured alone (not in ranks.csv)"
     return mine, ""
@@ -132,6 +133,41 @@ def critical_comm(
     return total
 
 
+def by_dim(row, strategy: str) -> dict[str, dict]:
+    """A measured rank's collectives by mesh dimension (ranks.csv's comm_by_dim), or,
+    in a row without them, its comm_by_op under the strategy's one dimension."""
+    if isinstance(row.get("comm_by_dim"), str | dict) and row.get("comm_by_dim"):
+        return _json(row["comm_by_dim"])
+    dims = record(strategy).degrees.declared()
+    return {dims[0] if dims else "world": _json(row.get("comm_by_op"))}
+
+
+def layout_comm(
+    per_rank: list[dict[str, dict]],
+    time: Callable[[str, int, float], float],
+    degrees: dict[str, int],
+    m: int,
+) -> float:
+    """Seconds a step waits on the collectives of the ranks measured alone, each mesh
+    dimension's at its own degree (`time(op, ranks, nbytes)`): a pipeline's transfers
+    over pp as critical_comm counts them (every stage's, once per fill and drain); the
+    other dimensions' all of them, on the busiest stage (stages run at once)."""
+    deg = {**degrees, "world": max(degrees.values(), default=1)}
+
+    def at(d: str) -> Callable[[str, float], float]:
+        return lambda op, nbytes: time(op, deg.get(d, 1), nbytes)
+
+    pipe = critical_comm([r.get("pp", {}) for r in per_rank], at("pp"), True, m)
+    rest = max(
+        (
+            sum(critical_comm([ops], at(d), False, 1) for d, ops in r.items() if d != "pp")
+            for r in per_rank
+        ),
+        default=0.0,
+    )
+    return (pipe if any("pp" in r for r in per_rank) else 0.0) + rest
+
+
 def predict(
     summary: pd.DataFrame,
     curves: pd.DataFrame,
@@ -144,13 +180,14 @@ def predict(
     predict from says why in prediction_miss."""
     out = pd.DataFrame(index=summary.index, columns=list(COLUMNS), dtype=object)
     ok = summary[summary["status"] == "ok"]
-    refs = ok[(ok["strategy"] == REFERENCE) & (ok["devices"] == 1)].set_index(variant_keys)
-    ones = ok[ok["devices"] == 1].set_index([*variant_keys, "strategy"])
+    refs = ok[(ok["strategy"] == REFERENCE) & (ok["devices"] == 1) & (ok["ac"] == "none")]
+    refs = refs.set_index(variant_keys)
+    ones = ok[ok["devices"] == 1].set_index([*variant_keys, "ac", "strategy"])
     for i, row in ok[ok["devices"] > 1].iterrows():
         n, rec, settings = int(row["devices"]), record(row["strategy"]), options(row)
         if rec.ranks(n) == 1:  # one process: its stages (or replicas) in turn
             variant = tuple(row[k] for k in variant_keys)
-            key = (*variant, row["strategy"])
+            key = (*variant, row["ac"], row["strategy"])
             if key not in ones.index and variant not in refs.index:
                 out.loc[i, "prediction_miss"] = (
                     "no prediction: no one-device cell of it or of single"
@@ -164,13 +201,13 @@ def predict(
                 out.loc[i, "prediction_miss"] = f"no prediction: {why}"
                 continue
             compute = mine["compute_s"].max() * max(1.0, row["ranks_per_core"])
-            comm = critical_comm(
-                [_json(v) for v in mine["comm_by_op"]],
-                lambda op, nbytes, n=n: curve_time(curves, op, n, nbytes),
-                rec.pipelined,
+            comm = layout_comm(
+                [by_dim(r, row["strategy"]) for _, r in mine.iterrows()],
+                lambda op, k, nbytes: curve_time(curves, op, k, nbytes),
+                degrees_of(row),
                 settings.get("microbatches", 1),
             )
-        bubble = bubble_time(rec, compute, n, settings)
+        bubble = bubble_time(rec, compute, degrees_of(row)["pp"], settings)
         predicted = compute + bubble + comm
         error = predicted / row["step_time_s"] - 1
         miss = _miss(row, compute, bubble, comm) if abs(error) > TOLERANCE else ""
@@ -186,6 +223,13 @@ def predict(
     for c in COLUMNS[:5]:
         out[c] = out[c].astype(float)
     return out
+
+
+def degrees_of(row) -> dict[str, int]:
+    """A summary row's degrees on the mesh (catalog.Degrees at its devices, options)."""
+    rec = record(row["strategy"])
+    opts = {**{k: o.default for k, o in rec.options.items()}, **options(row)}
+    return rec.degrees.at(int(row["devices"]), opts)
 
 
 def bubble_time(rec, compute: float, n: int, settings: dict) -> float:
@@ -269,9 +313,14 @@ def memory_model(row: pd.Series, params: float, act_per_sample: float) -> dict[s
     strategy splits it (sharded, or cut into stages or matrix slices)."""
     r = record(row["strategy"])
     n = int(row["devices"])
-    split_model = r.pipelined or r.needs_tp_plan
+    deg = degrees_of(row)
+    # each mesh dimension splits what catalog.SPLITS says; a strategy's own sharding
+    # (ZeRO-1's optimizer, DataParallel's batch) splits over all n
     share = {
-        k: (1 / n if (k in r.sharded or split_model) else 1.0)
+        k: min(
+            1 / n if k in r.sharded else 1.0,
+            1 / math.prod(deg[d] for d in deg if k in SPLITS[d]),
+        )
         for k in (PARAMS, GRADS, OPTIMIZER, ACTIVATIONS)
     }
     states = 2 if row["optimizer"] == "adamw" else 0

@@ -98,6 +98,10 @@ class RunSpec:
     precision: str = "fp32"  # fp32 | bf16 (autocast; parameters and optimizer stay fp32)
     optimizer: str = "sgd"  # sgd | adamw
     compile: bool = False  # torch.compile each block before the strategy wraps it
+    # Activation checkpointing of each repeated block: none | full | selective | every<k>
+    # (catalog.AC_PATTERN). Absent from the settings' dict and hash when none, so the
+    # cells of configs that never name it keep their paths and hashes.
+    ac: str = "none"
     seed: int = 0
     device: str = "auto"  # auto | cpu | cuda
     timeout_s: float = 300.0
@@ -152,13 +156,28 @@ class RunSpec:
         return self.ranks > 1 or (self.device == "cuda" and self.record.process_group(self.devices))
 
     @property
+    def degrees(self) -> dict[str, int]:
+        """Each mesh dimension's degree in this cell (catalog.MESH_DIMS), all 1 for the
+        one-process strategies."""
+        return self.record.degrees.at(self.devices, dict(self.options))
+
+    @property
+    def stages(self) -> int:
+        """Stages the model is cut into: a pipeline's pp degree, model parallel's
+        devices (one process drives them all), else 1."""
+        if not self.record.cuts_model:
+            return 1
+        return self.degrees["pp"] if self.record.pipelined else self.devices
+
+    @property
     def is_reference(self) -> bool:
         return self.strategy == REFERENCE
 
     @property
     def variant(self) -> str:
         """The axes that multiply the cells, as one label: fp32-sgd, bf16-adamw-compile."""
-        return f"{self.precision}-{self.optimizer}" + ("-compile" if self.compile else "")
+        label = f"{self.precision}-{self.optimizer}" + ("-compile" if self.compile else "")
+        return label + (f"-ac{self.ac}" if self.ac != "none" else "")
 
     @property
     def global_batch(self) -> int:
@@ -182,6 +201,7 @@ class RunSpec:
             "precision": self.precision,
             "optimizer": self.optimizer,
             "compile": self.compile,
+            "ac": self.ac,
             "strategy": self.strategy,
             "devices": self.devices,
             "repeat": self.repeat,
@@ -195,6 +215,8 @@ class RunSpec:
         d = asdict(self)
         d["model"] = self.model.to_dict()
         d["options"] = {k: _thaw(v) for k, v in self.options}
+        if d["ac"] == "none":  # the default leaves every earlier cell's hash as it was
+            del d["ac"]
         return d
 
     @classmethod

@@ -141,7 +141,8 @@ def reference_rows(summary: pd.DataFrame) -> pd.DataFrame:
     """The rows speedups are measured against: the reference strategy at one device,
     where it ran with a finite loss (a diverged run's times are not a baseline)."""
     ran = summary["status"] == "ok" if "status" in summary else True
-    return summary[(summary["strategy"] == REFERENCE) & (summary["devices"] == 1) & ran]
+    ref = (summary["strategy"] == REFERENCE) & (summary["devices"] == 1) & (summary["ac"] == "none")
+    return summary[ref & ran]
 
 
 def speedup(rows: pd.DataFrame, summary: pd.DataFrame) -> pd.Series:
@@ -158,7 +159,7 @@ def speedup_intervals(summary: pd.DataFrame, steps: pd.DataFrame) -> pd.DataFram
     compare with: the interval of T_ref / T_cell x (B_cell / B_ref), which is the
     throughput ratio under both strong and weak scaling (see `speedup`)."""
     variant_keys = list(VARIANT_KEYS)
-    keys = [*variant_keys, "strategy", "devices"]
+    keys = [*variant_keys, "ac", "strategy", "devices"]
     boot = cell_draws(steps, keys)
     out = pd.DataFrame(
         np.nan,
@@ -169,7 +170,7 @@ def speedup_intervals(summary: pd.DataFrame, steps: pd.DataFrame) -> pd.DataFram
     for i, row in summary.iterrows():
         key = tuple(row[k] for k in keys)
         variant = tuple(row[k] for k in variant_keys)
-        base_key = (*variant, REFERENCE, 1)
+        base_key = (*variant, "none", REFERENCE, 1)
         ranked = row.get("status", "ok") == "ok" and variant in base_batch.index
         if not ranked or key not in boot or base_key not in boot:
             continue

@@ -9,7 +9,7 @@ from pathlib import Path
 from snakemake.exceptions import WorkflowError
 from snakemake.logging import logger
 
-from parabench.catalog import OPTIMIZERS, PRECISIONS, STRATEGIES, multi_rank
+from parabench.catalog import AC_PATTERN, OPTIMIZERS, PRECISIONS, STRATEGIES, multi_rank
 from parabench.checks import static_skip_reason
 from parabench.config import (
     alone_ranks,
@@ -63,7 +63,7 @@ def cell_dir(path):
 # Wildcard patterns of records.CELL_DIR, from the catalog: variant e.g. bf16-adamw-compile.
 WILDCARDS = {
     "model": r"[A-Za-z][A-Za-z0-9_]*",
-    "variant": rf"({'|'.join(PRECISIONS)})-({'|'.join(OPTIMIZERS)})(-compile)?",
+    "variant": rf"({'|'.join(PRECISIONS)})-({'|'.join(OPTIMIZERS)})(-compile)?(-ac({AC_PATTERN}))?",
     "strategy": "|".join(STRATEGIES),
     "devices": r"[1-9][0-9]*",
     "repeat": r"[0-9]+",

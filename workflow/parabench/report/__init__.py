@@ -23,6 +23,7 @@ from parabench import equivalence, scaling
 from parabench.catalog import CATALOG, LABELS, STRATEGIES
 from parabench.fabric import PROFILES
 from parabench.published import torchtitan_check
+from parabench.report.answers import answers
 from parabench.report.figures import plots
 from parabench.report.loading import Results, row_anchor, rows
 from parabench.report.prose import comm_words, environment, headlines, outcome, why
@@ -49,6 +50,7 @@ def build_context(r: Results, config: dict) -> dict:
             {**row, "why": why(row, r.collectives)} for row in rows(s[s["status"] == "ok"])
         ],
         "checks": _checks(s[s["status"] == "ok"]),
+        "layouts": answers(s),
         "model_error": scaling.error_table(s),
         "at_scale": at_scale(r, config),
         "plan_wanted": bool((config.get("plan") or {}).get("enabled")),

@@ -43,6 +43,7 @@ def panel_labels(df: pd.DataFrame) -> pd.Series:
         + " · "
         + df["optimizer"].astype(str)
         + compiled.map({True: " · compiled", False: ""})
+        + df["ac"].astype(str).map(lambda ac: "" if ac in ("none", "nan") else f" · AC {ac}")
     )
 
 
@@ -53,5 +54,5 @@ def rows(df: pd.DataFrame) -> list[dict]:
 
 def row_anchor(row) -> str:
     """The HTML id of a summary row: every key, so each row has its own."""
-    keys = [*VARIANT_KEYS, "strategy", "devices"]
+    keys = [*VARIANT_KEYS, "ac", "strategy", "devices"]
     return "row-" + "-".join(str(row[k]) for k in keys)

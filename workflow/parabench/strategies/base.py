@@ -37,6 +37,9 @@ class Strategy(ABC):
     emulated: bool = False
     #: [lo, hi) block ranges per stage, for the strategies that cut the model.
     stage_cuts: list[tuple[int, int]] | None = None
+    #: It checkpoints and compiles the blocks itself (a layout, in torchtitan's order);
+    #: otherwise strategies.build does, around it.
+    applies_ac_and_compile: bool = False
 
     @classmethod
     def cuda_devices_needed(cls, spec: RunSpec, ctx: Context) -> int:

@@ -39,7 +39,7 @@ class FullyShard(Strategy):
         for block in model.blocks():  # one all-gather / reduce-scatter unit per block
             fully_shard(block, mesh=mesh, reshard_after_forward=reshard)
         fully_shard(module, mesh=mesh, reshard_after_forward=reshard)  # what is left
-        _mark_launches(module)
+        mark_launches(module)
         self.module = module
         self.opt = make_optimizer(module.parameters(), spec)
 
@@ -56,7 +56,7 @@ class FullyShard(Strategy):
         return full_params(self.module, self.ctx)
 
 
-def _mark_launches(module: torch.nn.Module) -> None:
+def mark_launches(module: torch.nn.Module) -> None:
     """Every FSDP unit's collectives called inside a LAUNCH region, through FSDP's own
     hooks for custom comms (the default ones, wrapped). Where this torch has no such
     hooks, the calls stay unmarked and count as compute."""

@@ -57,48 +57,53 @@ class InPrecision(nn.Module):
             return self.stage(x).to(DTYPES[self.precision])
 
 
-class Pipeline(Strategy):
-    name = "pipeline"
+class StageRun:
+    """One rank's stage under its schedule: what a pipeline strategy and a pipelined
+    layout share. `submod` is what the schedule calls (the stage in its precision,
+    perhaps under FSDP or DDP, which the schedule then syncs once per step); `group`
+    the pipeline's group, and `silent` the no-communication group it takes after the
+    first step, or None (see the module's docstring)."""
 
-    def __init__(self, model: Model, spec: RunSpec, ctx: Context) -> None:
-        super().__init__(model, spec, ctx)
-        n, r = spec.devices, ctx.rank
-        self.first, self.last = r == 0, r == n - 1
-        how = stages.trace(model)
-        self.stage_cuts = stage_cuts(model, how, n)
-        lo, hi = self.stage_cuts[r]
-        cut = stages.cut(model, how, lo, hi)  # on the CPU, where the model was built
-
+    def __init__(
+        self,
+        submod: nn.Module,
+        cut: stages.Stage,
+        example: tuple[torch.Tensor, torch.Tensor],
+        index: int,
+        n: int,
+        group: dist.ProcessGroup,
+        silent: dist.ProcessGroup | None,
+        spec: RunSpec,
+        ctx: Context,
+        loss_fn,
+    ) -> None:
+        self.first, self.last, self.cut = index == 0, index == n - 1, cut
+        self.microbatches = m = spec.option("microbatches")
         # Static example tensors: shape inference would run the loss on uninitialised
         # data (BCELoss then fails about half the time). Tensors a gradient flows through
         # (every input but the first stage's, every output) must say so, or the stage
         # neither sends nor expects gradients.
-        m = self.microbatches = spec.option("microbatches")
-        micro = spec.global_batch // m
-        example_in, example_out = stages.boundary(model, how, self.stage_cuts, r, micro)
-        self.cut = cut.to(ctx.device)
-        self.module = cut.part  # its parameters, named as in the model
-        self.opt = make_optimizer(self.module.parameters(), spec)
+        example_in, example_out = example
         wire = DTYPES[spec.precision]  # what crosses a stage boundary
         in_dtype = example_in.dtype if self.first else wire
         example_in = example_in.to(ctx.device, in_dtype).requires_grad_(not self.first)
-        stage = PipelineStage(
-            InPrecision(cut, spec.precision, ctx.device),
-            r,
+        self.stage = PipelineStage(
+            submod,
+            index,
             n,
             ctx.device,
             input_args=(example_in,),
             output_args=(example_out.to(ctx.device, wire).requires_grad_(True),),
-            group=dist.group.WORLD,
+            group=group,
         )
-        self.stage = stage
-        self._silence = None if ctx.communicates else ctx.group  # after the first step
+        self._silence = silent
         self.schedule = SCHEDULES[spec.option("schedule")](
-            stage, n_microbatches=m, loss_fn=self.loss_fn
+            self.stage, n_microbatches=m, loss_fn=loss_fn
         )
 
-    def step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        self.opt.zero_grad(set_to_none=True)
+    def step(self, x: torch.Tensor, y: torch.Tensor) -> list[torch.Tensor]:
+        """The schedule's forwards and backwards of one step (not the update): the last
+        stage's micro-batch losses, none elsewhere."""
         losses: list[torch.Tensor] = []
         args = (x,) if self.first else ()
         if not (self.first or self.cut.sequential):  # its own forward takes the input
@@ -106,11 +111,45 @@ class Pipeline(Strategy):
         kwargs = {"target": y, "losses": losses} if self.last else {}
         with region(SCHEDULE):
             self.schedule.step(*args, **kwargs)
-        with region(OPTIMIZER):
-            self.opt.step()
         if self._silence is not None:
             self.stage.group, self._silence = self._silence, None
-        if not self.last:
+        return losses
+
+
+class Pipeline(Strategy):
+    name = "pipeline"
+
+    def __init__(self, model: Model, spec: RunSpec, ctx: Context) -> None:
+        super().__init__(model, spec, ctx)
+        n, r = spec.devices, ctx.rank
+        how = stages.trace(model)
+        self.stage_cuts = stage_cuts(model, how, n)
+        lo, hi = self.stage_cuts[r]
+        cut = stages.cut(model, how, lo, hi)  # on the CPU, where the model was built
+        micro = spec.global_batch // spec.option("microbatches")
+        example = stages.boundary(model, how, self.stage_cuts, r, micro)
+        self.cut = cut.to(ctx.device)
+        self.module = cut.part  # its parameters, named as in the model
+        self.opt = make_optimizer(self.module.parameters(), spec)
+        self.run = StageRun(
+            InPrecision(cut, spec.precision, ctx.device),
+            cut,
+            example,
+            r,
+            n,
+            dist.group.WORLD,
+            None if ctx.communicates else ctx.group,
+            spec,
+            ctx,
+            self.loss_fn,
+        )
+
+    def step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        self.opt.zero_grad(set_to_none=True)
+        losses = self.run.step(x, y)
+        with region(OPTIMIZER):
+            self.opt.step()
+        if not self.run.last:
             return torch.zeros((), device=self.ctx.device)
         # Each micro-batch loss is a mean over B/m samples; their mean is the global mean.
         return torch.stack([loss.detach() for loss in losses]).mean()

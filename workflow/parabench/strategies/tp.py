@@ -3,8 +3,10 @@
 The model declares pairs of layers (models.Model.tp_plan): the first of a pair is split
 column-wise (each rank computes a slice of its outputs), the second row-wise (each rank
 multiplies its slice of the inputs, then one all-reduce sums the partial outputs). The
-elementwise activation between them needs no communication, so each pair costs one
-all-reduce of the activations in forward and one in backward (Megatron-LM's MLP).
+elementwise activation between them needs no communication. Forward costs one
+all-reduce of the activations per row-wise layer; backward one per column-wise layer
+(its replicated input's gradient is a partial sum on each rank): two per MLP pair
+(Megatron-LM's), four per attention block whose q, k and v are separate layers.
 Every rank sees the whole batch; layers outside the plan are replicated, and compute
 identical gradients on every rank.
 """
@@ -26,6 +28,11 @@ from parabench.strategies.base import Strategy, full_params, make_optimizer, tra
 STYLES = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
 
 
+def styles(plan: dict) -> dict:
+    """The model's plan as torch's ParallelStyles (a custom one kept as it is)."""
+    return {fqn: STYLES[s]() if isinstance(s, str) else s for fqn, s in plan.items()}
+
+
 class TensorParallel(Strategy):
     name = "tp"
 
@@ -33,11 +40,7 @@ class TensorParallel(Strategy):
         super().__init__(model, spec, ctx)
         mesh = ctx.mesh()
         blocks = model.module.to(ctx.device)
-        plan = {
-            fqn: STYLES[style]() if isinstance(style, str) else style  # a custom ParallelStyle
-            for fqn, style in model.tp_plan.items()
-        }
-        parallelize_module(blocks, mesh, plan)
+        parallelize_module(blocks, mesh, styles(model.tp_plan))
         self.module = blocks
         self.opt = make_optimizer(blocks.parameters(), spec)
 

@@ -1,0 +1,118 @@
+"""Layouts and activation checkpointing in the config: degrees laid out and checked up
+front (each message names its key), the axis and `also` cells, and every cell of the
+configs that never name them keeping its path and settings hash. Torch-free, seconds."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import REPO, tiny_config
+from parabench.catalog import CATALOG, MESH_DIMS, default_strategies, device_counts
+from parabench.checks import static_skip_reason
+from parabench.config import ConfigError, cells, checked, load_config, problems
+
+GPT = {"arch": "gpt", "vocab": 128, "seq_len": 16, "n_layer": 2, "n_head": 4, "d_model": 32}
+
+
+def config(**over) -> dict:
+    return checked(tiny_config(**over))
+
+
+def gpt_config(strategies, devices, **over) -> dict:
+    entry = {**GPT, "batch_size": 8, "strategies": strategies, "devices": devices}
+    return config(models={"gpt": entry}, **over)
+
+
+def test_a_layouts_degrees_multiply_to_its_devices_outermost_first():
+    for name in ("fsdp_tp", "hsdp", "ddp_pp", "fsdp_pp", "tp_pp"):
+        rec = CATALOG[name]
+        opts = {k: o.default for k, o in rec.options.items()}
+        assert device_counts(name, [1, 2, 4, 8], opts) == [4, 8]
+        deg = rec.degrees.at(8, opts)
+        assert (
+            list(deg) == list(MESH_DIMS)
+            and deg["pp"] * deg["dp_replicate"] * deg["dp_shard"] * deg["tp"] == 8
+        )
+        assert sum(v > 1 for v in deg.values()) == 2
+    assert CATALOG["fsdp_tp"].degrees.at(8, {"tp": 4}) == {
+        "pp": 1,
+        "dp_replicate": 1,
+        "dp_shard": 2,
+        "tp": 4,
+    }
+
+
+def test_the_default_sweep_is_the_one_dimensional_strategies():
+    assert not set(default_strategies()) & {"fsdp_tp", "hsdp", "ddp_pp", "fsdp_pp", "tp_pp"}
+    assert {c.spec.strategy for c in cells(config(strategies=[]))} == set(default_strategies())
+
+
+def test_degrees_that_lay_out_no_device_count_are_refused_naming_the_option():
+    bad = gpt_config(["single", "hsdp"], [4], options={"hsdp": {"dp_replicate": 3}})
+    (why,) = problems(bad)
+    assert why.startswith("strategies: hsdp lays out none of models.gpt's devices [4]")
+    assert "options.hsdp.dp_replicate (3) does not divide 4 devices" in why
+    (why,) = problems(gpt_config(["single", "fsdp_tp"], [2]))
+    assert "options.fsdp_tp.tp (2) leaves dp_shard 1 at 2 devices" in why
+
+
+def test_a_tp_width_is_split_by_the_tp_degree_not_the_devices():
+    # 6 heads of d_model 48: tp 2 splits them, tp 4 cannot; at 8 devices fsdp_tp with tp 2
+    # runs, while plain tp at 8 is a skipped cell, not a refusal
+    entry = {**GPT, "n_head": 6, "d_model": 48, "batch_size": 8, "devices": [8]}
+    c = config(models={"gpt": {**entry, "strategies": ["single", "fsdp_tp", "tp"]}})
+    assert problems(c) == []
+    specs = {s.spec.strategy: s.spec for s in cells(c)}
+    assert static_skip_reason(specs["fsdp_tp"]) is None
+    assert "over 8 ranks" in static_skip_reason(specs["tp"])
+
+
+def test_a_layouts_batch_divides_by_its_data_parallel_ranks_and_micro_batches():
+    c = gpt_config(["single", "ddp_pp"], [4])
+    c["models"]["gpt"]["batch_size"] = 6
+    (why,) = problems(c)
+    assert why.startswith("models.gpt.batch_size: global batch 6 is not divisible by")
+    assert "its data-parallel ranks (2) x options.ddp_pp.microbatches (4)" in why
+
+
+def test_activation_checkpointing_is_an_axis_and_also_adds_single_cells():
+    c = gpt_config(
+        ["single", "ddp"],
+        [2],
+        also=[{"model": "gpt", "strategy": "ddp", "devices": 2, "ac": "full"}],
+    )
+    paths = sorted(cell.path for cell in cells(c))
+    assert paths == [
+        "runs/gpt/fp32-sgd-acfull/ddp/n2/r0",
+        "runs/gpt/fp32-sgd/ddp/n2/r0",
+        "runs/gpt/fp32-sgd/single/n1/r0",
+    ]
+    both = gpt_config(["single", "ddp"], [2], ac=["none", "selective"])
+    assert len(cells(both)) == 4
+    with pytest.raises(ConfigError, match=r"^ac"):
+        gpt_config(["single"], [1], ac=["sometimes"])
+    bad = gpt_config(["single"], [1], also=[{"model": "nope", "strategy": "ddp", "devices": 2}])
+    assert problems(bad) == ["also[0].model: 'nope' is not a model of this config"]
+
+
+def test_activation_checkpointing_of_dataparallel_is_a_skipped_cell():
+    c = gpt_config(["single", "dp"], [1], ac=["full"])
+    dp = next(cell.spec for cell in cells(c) if cell.spec.strategy == "dp")
+    assert "activation checkpointing does not compose with DataParallel" in static_skip_reason(dp)
+
+
+def test_configs_that_name_no_checkpointing_keep_every_cells_path_and_hash():
+    # the hashes of config/config.yaml's cells before `ac` existed (commit aedc1b6): a
+    # changed one would rerun every finished cell of every user
+    before = {
+        "runs/mlp/fp32-sgd/single/n1/r0": "541ff7dfce7c",
+        "runs/mlp/fp32-sgd/ddp/n2/r0": "fdb266061266",
+        "runs/mlp/fp32-sgd/fsdp/n2/r0": "54d84b9092ac",
+        "runs/mlp/fp32-sgd/pipeline/n2/r0": "3c89728b9ae1",
+        "runs/gpt/fp32-sgd/single/n1/r0": "85abec89eb7d",
+        "runs/gpt/fp32-sgd/ddp/n2/r0": "10da6a9da0f1",
+        "runs/gpt/fp32-sgd/fsdp/n2/r0": "f9fca60da363",
+    }
+    now = {c.path: c.spec for c in cells(load_config(REPO / "config/config.yaml"))}
+    assert {p: now[p].config_hash() for p in before} == before
+    assert all("ac" not in now[p].to_dict() for p in before)

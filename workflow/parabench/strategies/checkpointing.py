@@ -1,0 +1,129 @@
+"""Activation checkpointing (AC) of a model's repeated blocks: an axis like precision.
+
+A checkpointed block keeps only its input from the forward; backward runs its forward
+again to rebuild the activations it needs (the recompute), trading compute for
+memory. Levels (catalog.AC_PATTERN), as torchtitan's `activation_checkpoint` offers:
+- full: every repeated block;
+- selective: every block, under torchtitan's per-op policy: the results of matmuls,
+  attention and collectives are saved, the cheap elementwise ops recomputed (less
+  memory saved than full, little compute added);
+- every<k>: every k-th block in full (torchtitan's per-layer option).
+
+Applied in place, as compile is (`block.forward` replaced): parameter names stay the
+model's, where torch's `checkpoint_wrapper` would put `_checkpoint_wrapped_module.`
+into each. Non-reentrant checkpointing, as torchtitan uses: it composes with FSDP2,
+DTensor and torch.compile, and leaves the maths bitwise as it was.
+
+The recompute runs inside backward in a RECOMPUTE region (marks.py), so the anatomy
+measures what it costs (`recompute_s`, a share of compute). Autograd marks the forward
+it replays by a graph task, which is how a block tells a recompute from its forward.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+)
+
+from parabench.marks import RECOMPUTE, region
+
+
+def repeated(blocks: list[nn.Module]) -> list[nn.Module]:
+    """The blocks of the most common class (a transformer's layers, not its embedding
+    or head, where a model declares those as blocks too)."""
+    if not blocks:
+        return []
+    common = collections.Counter(type(b) for b in blocks).most_common(1)[0][0]
+    return [b for b in blocks if type(b) is common]
+
+
+def every(level: str) -> int:
+    """Which blocks a level checkpoints: every k-th (1: all; 0: none)."""
+    if level == "none":
+        return 0
+    return int(level.removeprefix("every")) if level.startswith("every") else 1
+
+
+def apply(blocks: list[nn.Module], level: str) -> list[nn.Module]:
+    """Checkpoint `blocks` (each repeated block, or every k-th of them) at `level`, in
+    place; the blocks checkpointed."""
+    k = every(level)
+    if not k:
+        return []
+    chosen = [b for i, b in enumerate(repeated(blocks)) if (i + 1) % k == 0]
+    context = _selective if level == "selective" else _plain
+    for block in chosen:
+        block.forward = functools.partial(
+            checkpoint, _marked(block.forward), use_reentrant=False, context_fn=context
+        )
+        block._parabench_ac = level
+    return chosen
+
+
+def count(blocks: list[nn.Module]) -> int:
+    """How many of `blocks` `apply` checkpointed."""
+    return sum(hasattr(b, "_parabench_ac") for b in blocks)
+
+
+def _marked(forward):
+    """`forward`, inside a RECOMPUTE region when backward replays it."""
+
+    @functools.wraps(forward)
+    def run(*args, **kwargs):
+        if torch._C._current_graph_task_id() == -1:  # the forward itself
+            return forward(*args, **kwargs)
+        with region(RECOMPUTE, traced=False):
+            return forward(*args, **kwargs)
+
+    return run
+
+
+def _plain():
+    return torch.utils.checkpoint.noop_context_fn()
+
+
+def _saved_ops() -> set:
+    """torchtitan's per-op save list (torchtitan/models/llama3/infra/parallelize.py
+    `_save_list`), with the CPU's attention kernel: what a selective block keeps."""
+    ops = torch.ops
+    names = [
+        (ops.aten, "mm"),
+        (ops.aten, "addmm"),
+        (ops.aten, "_scaled_dot_product_efficient_attention"),
+        (ops.aten, "_scaled_dot_product_flash_attention"),
+        (ops.aten, "_scaled_dot_product_flash_attention_for_cpu"),
+        (ops.aten, "_scaled_dot_product_cudnn_attention"),
+        (ops._c10d_functional, "reduce_scatter_tensor"),
+        (ops._c10d_functional, "all_reduce"),
+        (ops.aten, "max"),
+    ]
+    out = set()
+    for namespace, name in names:
+        op = getattr(namespace, name, None)
+        if op is not None:
+            out.add(op.default)
+    return out
+
+
+def _selective():
+    """A block call's policy (context_fn runs once per call, so counts start at 0)."""
+    saved, mm = _saved_ops(), torch.ops.aten.mm.default
+    count = collections.Counter()
+
+    def policy(ctx, func, *args, **kwargs):
+        # torchtitan saves every other matmul: the forward and its recompute count
+        # their own, so both take the same decisions.
+        mode = "recompute" if ctx.is_recompute else "forward"
+        if func == mm:
+            count[mode] += 1
+        keep = func in saved and not (func == mm and count[mode] % 2 == 0)
+        return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)

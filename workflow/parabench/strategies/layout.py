@@ -1,0 +1,173 @@
+"""Layouts: several parallelisms at once, as degrees on a named device mesh.
+
+One class for every layout (fsdp_tp, hsdp, ddp_pp, fsdp_pp, tp_pp...): its catalog
+record declares the degrees (catalog.Degrees), runtime.start builds the mesh
+(pp, dp_replicate, dp_shard, tp: outermost first, as torchtitan's ParallelDims), and
+`parallelize` applies them to the unmodified model in torchtitan's order:
+
+1. pipeline split: this rank's stage (its blocks), and the stage's example tensors,
+   taken now: FSDP's lazy initialisation forbids running the stage once it is wrapped;
+2. tensor parallel: the model's plan over the tp dimension, on the stage's layers;
+3. activation checkpointing: each repeated block's forward (it must wrap TP's layers,
+   so the recompute issues TP's collectives again, and sit inside FSDP's hooks);
+4. compile: each block's forward, after AC (dynamo traces the checkpoint);
+5. data parallel: FSDP2 on dp_shard, or HSDP on (dp_replicate, dp_shard), per block
+   then the root; or DDP over dp_replicate when nothing is sharded.
+
+The root FSDP or DDP wraps is what a pipeline's schedule calls (the stage in its
+precision): the schedule then runs DDP's and FSDP's gradient sync once per step, not
+once per micro-batch. Without communication (Context.without_comm) every dimension is
+the no-communication mesh's; a pipeline's stage still takes its first step over the
+real pp group (pipeline.py says why).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor.parallel import parallelize_module
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from parabench.data import Shard
+from parabench.marks import OPTIMIZER, region
+from parabench.models import stages
+from parabench.models.base import Model
+from parabench.runtime import Context, NamedMesh
+from parabench.spec import RunSpec
+from parabench.strategies import checkpointing
+from parabench.strategies.base import (
+    Strategy,
+    gather_state,
+    make_optimizer,
+    stage_cuts,
+    train_step,
+)
+from parabench.strategies.fsdp import mark_launches
+from parabench.strategies.pipeline import InPrecision, StageRun
+from parabench.strategies.tp import styles
+
+
+class Layout(Strategy):
+    name = "layout"  # each record's name: see `get`
+    applies_ac_and_compile = True  # in its order, not strategies.build's
+
+    def __init__(self, model: Model, spec: RunSpec, ctx: Context) -> None:
+        super().__init__(model, spec, ctx)
+        deg, mesh = spec.degrees, ctx.named_mesh()
+        self.degrees, self.mesh = deg, mesh
+        self.dp = deg["dp_replicate"] * deg["dp_shard"]
+        self.run: StageRun | None = None
+        part, blocks, example = model.module, model.blocks(), None
+        if deg["pp"] > 1:  # 1. this rank's stage, and its example tensors now
+            how = stages.trace(model)
+            self.stage_cuts = stage_cuts(model, how, deg["pp"])
+            index = mesh.coordinate("pp")
+            lo, hi = self.stage_cuts[index]
+            cut = stages.cut(model, how, lo, hi)
+            micro = spec.global_batch // self.dp // spec.option("microbatches")
+            example = stages.boundary(model, how, self.stage_cuts, index, micro)
+            part, blocks = cut.part, blocks[lo:hi]
+        part.to(ctx.device)
+        if deg["tp"] > 1:  # 2. the plan's layers this stage holds
+            apply_tp(part, mesh, model.tp_plan)
+        checkpointing.apply(blocks, spec.ac)  # 3.
+        if spec.compile:  # 4. each block's forward, in place
+            for block in blocks or [part]:
+                block.forward = torch.compile(block.forward)
+        root: nn.Module = part
+        if deg["pp"] > 1:
+            root = InPrecision(cut, spec.precision, ctx.device)
+        root = apply_data_parallel(root, blocks, mesh, deg, spec, ctx)  # 5.
+        self.module, self.root = part, root  # its parameters, named as in the model
+        self.opt = make_optimizer(part.parameters(), spec)
+        if deg["pp"] > 1:
+            real = ctx.meshes[0].group("pp")  # the first step's shapes go over it
+            self.run = StageRun(
+                root,
+                cut,
+                example,
+                index,
+                deg["pp"],
+                real,
+                None if ctx.communicates else mesh.group("pp"),
+                spec,
+                ctx,
+                self.loss_fn,
+            )
+
+    @property
+    def shard(self) -> Shard:
+        """The data-parallel rank's slice: every rank of a tp group, and every stage of
+        a pipeline, takes the same one."""
+        m = self.mesh
+        index = m.coordinate("dp_replicate") * self.degrees["dp_shard"]
+        return Shard(index + m.coordinate("dp_shard"), self.dp)
+
+    def step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        # Each rank's loss is its data-parallel slice's mean, the same on each of a tp
+        # group's ranks; losses exist on the last stage only. So 1/(the ranks holding a
+        # loss) of each sums to the global mean.
+        holders = self.ctx.world_size // self.degrees["pp"]
+        if self.run is None:
+            loss = train_step(self.root, self.loss_fn, self.opt, x, y, self.autocast())
+            return loss / holders
+        self.opt.zero_grad(set_to_none=True)
+        losses = self.run.step(x, y)
+        with region(OPTIMIZER):
+            self.opt.step()
+        if not self.run.last:
+            return torch.zeros((), device=self.ctx.device)
+        return torch.stack([loss.detach() for loss in losses]).mean() / holders
+
+    def full_state(self) -> dict[str, torch.Tensor] | None:
+        # Each DTensor gathered over its own mesh (collective within the stage), then
+        # the stages merged on rank 0.
+        whole = {
+            k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().to("cpu", copy=True)
+            for k, v in self.module.named_parameters()
+        }
+        return gather_state(whole, self.ctx)
+
+
+def apply_tp(part: nn.Module, mesh: NamedMesh, plan: dict) -> None:
+    """The model's tensor-parallel plan over the tp dimension, on the layers `part`
+    holds (a stage holds some); an error if none of them is in the plan, which would
+    otherwise leave every layer whole and pass every check."""
+    here = {}
+    for name, style in plan.items():
+        try:
+            part.get_submodule(name)
+        except AttributeError:
+            continue  # another stage's layer
+        here[name] = style
+    if not here:
+        raise ValueError(f"no layer of the tensor-parallel plan {sorted(plan)} is in this stage")
+    parallelize_module(part, mesh.get("tp"), styles(here))
+
+
+def apply_data_parallel(
+    root: nn.Module,
+    blocks: list[nn.Module],
+    mesh: NamedMesh,
+    deg: dict[str, int],
+    spec: RunSpec,
+    ctx: Context,
+) -> nn.Module:
+    """FSDP2 (HSDP when replicated too) per block then the root, or DDP over
+    dp_replicate; `root` as it was without data parallelism."""
+    if deg["dp_shard"] > 1:
+        dims = ("dp_replicate", "dp_shard") if deg["dp_replicate"] > 1 else ("dp_shard",)
+        # torchtitan's default: no reshard after forward in a pipeline, whose
+        # micro-batches would gather every parameter again for each backward.
+        reshard = spec.option("reshard_after_forward") if deg["pp"] == 1 else False
+        dp_mesh = mesh.get(*dims)
+        for block in blocks:
+            fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard)
+        fully_shard(root, mesh=dp_mesh, reshard_after_forward=reshard)
+        mark_launches(root)
+        return root
+    if deg["dp_replicate"] > 1:
+        ids = [ctx.device.index] if ctx.device.type == "cuda" else None
+        return DDP(root, device_ids=ids, process_group=mesh.group("dp_replicate"))
+    return root
