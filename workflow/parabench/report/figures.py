@@ -22,6 +22,10 @@ DPI = 110
 # Panels side by side before the next row: a row of one panel per (model, variant) was
 # wider than Agg can draw (2^16 pixels) past about 115 panels.
 COLUMNS = 3
+# Catplot panels side by side: each is a list of cells, read across; two fit a page's
+# width at a legible size (three made each a thumbnail).
+FACETS = 2
+PANEL_WIDTH = 6.5  # inches: two panels span the page at about the text's size
 # Agg's limit on either side of an image, in pixels, with a margin for the tight bbox.
 MAX_PIXELS = 60_000
 
@@ -49,6 +53,22 @@ def repeat_speedups(cells: pd.DataFrame, summary: pd.DataFrame) -> pd.DataFrame:
     return ok
 
 
+def _by_cell(df: pd.DataFrame) -> pd.DataFrame:
+    """`df` with one panel per model and variant whatever its activation checkpointing,
+    and each cell named by its strategy, devices and AC level ("ddp ×2 AC full"): an AC
+    cell sits beside the cell it is compared with."""
+    ac = df["ac"].astype(str).map(lambda a: "" if a in ("none", "nan") else f" AC {a}")
+    return df.assign(
+        panel=df["panel"].str.replace(r" · AC \S+$", "", regex=True),
+        cell=df["strategy"] + " ×" + df["devices"].astype(str) + ac,
+    )
+
+
+def _panel_height(df: pd.DataFrame) -> float:
+    """Inches for a panel of cells: the most cells any one panel holds."""
+    return 0.32 * df.groupby("panel")["cell"].nunique().max() + 1.5
+
+
 def plots(r: Results) -> dict[str, str]:
     sns.set_theme(style="whitegrid", context="notebook")
     ok = r.summary[r.summary["status"] == "ok"]
@@ -56,7 +76,9 @@ def plots(r: Results) -> dict[str, str]:
         return {}
     reps = repeat_speedups(r.cells, r.summary)
     order = _order(ok)
-    palette = dict(zip(STRATEGIES, sns.color_palette("colorblind", len(STRATEGIES)), strict=True))
+    # one colour per strategy: the colour-blind palette's ten, then its darker shades
+    colours = sns.color_palette("colorblind") + sns.color_palette("dark")
+    palette = dict(zip(STRATEGIES, colours, strict=False))
     panels = list(dict.fromkeys(ok["panel"]))
     devices = sorted(ok["devices"].unique())
     out: dict[str, str] = {}
@@ -146,25 +168,27 @@ def plots(r: Results) -> dict[str, str]:
     )
     out["throughput"] = per_model("Throughput", "throughput", "samples / s")
 
-    timed = r.steps[r.steps["phase"] == "timed"].copy()
+    timed = r.steps[r.steps["phase"] == "timed"]
     if not timed.empty:
-        timed["cell"] = timed["strategy"] + " ×" + timed["devices"].astype(str)
-        cell_order = [
-            f"{s} ×{n}" for s in order for n in devices if f"{s} ×{n}" in set(timed["cell"])
-        ]
+        timed = _by_cell(timed)
+        rank = {s: i for i, s in enumerate(order)}
+        timed = timed.sort_values(
+            ["strategy", "devices", "cell"],
+            key=lambda c: c.map(rank) if c.name == "strategy" else c,
+        )
         g = sns.catplot(
             data=timed,
             kind="box",
             x="step_time_s",
             y="cell",
             col="panel",
-            col_wrap=min(COLUMNS, timed["panel"].nunique()),
-            order=cell_order,
+            col_wrap=min(FACETS, timed["panel"].nunique()),
             hue="strategy",
             hue_order=order,
             palette=palette,
-            height=0.32 * len(cell_order) + 1.5,
-            aspect=1.6,
+            sharey=False,  # each panel its own cells, in the order sorted above
+            height=_panel_height(timed),
+            aspect=PANEL_WIDTH / _panel_height(timed),
             legend=False,
             sharex=False,
             fliersize=2,
@@ -173,8 +197,7 @@ def plots(r: Results) -> dict[str, str]:
         g.set_titles("Step-time distribution — {col_name}")
         out["step_times"] = _png(g.figure)
 
-    bars = ok.assign(
-        cell=ok["strategy"] + " ×" + ok["devices"].astype(str),
+    bars = _by_cell(ok).assign(
         peak_memory_mib=ok["peak_memory_bytes"] / 2**20,
         mfu_pct=100 * ok["mfu"],
     )
@@ -188,14 +211,15 @@ def plots(r: Results) -> dict[str, str]:
             x=col,
             y="cell",
             col="panel",
-            col_wrap=min(COLUMNS, bars["panel"].nunique()),
+            col_wrap=min(FACETS, bars["panel"].nunique()),
             hue="strategy",
             hue_order=order,
             palette=palette,
             legend=False,
             sharex=False,
-            height=0.32 * bars["cell"].nunique() + 1.5,
-            aspect=1.6,
+            sharey=False,  # each panel its own cells: a panel of two is not one of twenty
+            height=_panel_height(bars),
+            aspect=PANEL_WIDTH / _panel_height(bars),
         )
         g.set_axis_labels(label, "")
         g.set_titles("{col_name}")
