@@ -71,3 +71,27 @@ def test_a_200k_character_row_is_refused_at_once_naming_its_line(tmp_path):
     out = parse_in_child(path)
     assert f"{path}:21: not an nccl-tests result row" in out, out[-2000:]
     assert len(out) < 2000, "the message quotes the line's start, not all of it"
+
+
+def test_a_mesh_dimension_is_priced_on_the_links_its_group_spans():
+    """tp innermost: at 64 GPUs with tp 8, a dp_shard group of 8 spans eight nodes and
+    crosses the network; alone, a group of 8 is one node's NVLink."""
+    from parabench.scaling import layout_comm, spans
+
+    h100 = fabric.PROFILES["h100-nvlink-ndr400"]
+    assert spans({"pp": 1, "dp_replicate": 1, "dp_shard": 8, "tp": 8}) == {
+        "pp": 64,
+        "dp_replicate": 64,
+        "dp_shard": 64,
+        "tp": 8,
+    }
+    gather = {"dp_shard": {"all_gather": {"count": 1, "bytes": 1e9}}}
+    across = layout_comm(
+        [gather], h100.time, {"pp": 1, "dp_replicate": 1, "dp_shard": 8, "tp": 8}, 1
+    )
+    within = layout_comm(
+        [gather], h100.time, {"pp": 1, "dp_replicate": 1, "dp_shard": 8, "tp": 1}, 1
+    )
+    assert across == pytest.approx(h100.time("all_gather", 8, 1e9, span=64))
+    assert within == pytest.approx(h100.time("all_gather", 8, 1e9))
+    assert across > within

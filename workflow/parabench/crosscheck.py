@@ -61,7 +61,7 @@ def _curve_comm(row: pd.Series, curves: pd.DataFrame, n: int) -> float:
     if record(row["strategy"]).layout and row.get("comm_by_dim"):
         return layout_comm(
             [json.loads(row["comm_by_dim"])],
-            lambda op, k, nbytes: curve_time(curves, op, k, nbytes),
+            lambda op, k, nbytes, _span: curve_time(curves, op, k, nbytes),
             degrees_of(row),
             options(row).get("microbatches", 1),
         )

@@ -80,11 +80,14 @@ class Fabric:
     tables: dict  # level or (op curve, n) -> BusbwTable
     gpus_per_node: int = 0  # two-level profiles: ranks within a node
 
-    def time(self, op: str, n: int, nbytes: float) -> float:
+    def time(self, op: str, n: int, nbytes: float, span: int | None = None) -> float:
+        """Seconds of one call of `op` over `n` ranks; `span`: the consecutive ranks
+        the group covers (n, unless a mesh dimension inside it spreads it: tp 8 inside
+        puts a dp group of 8 on eight nodes), which decides a two-level profile's level."""
         if n < 2 or not nbytes:
             return 0.0
         if self.gpus_per_node:
-            level = "intra" if n <= self.gpus_per_node else "inter"
+            level = "intra" if (span or n) <= self.gpus_per_node else "inter"
             return self.tables[level].time(op, n, nbytes)
         if "any" in self.tables:  # one table for every op (nccl-tests)
             return self.tables["any"].time(op, n, nbytes)

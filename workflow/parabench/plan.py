@@ -52,9 +52,7 @@ def predict(row: dict, spec: RunSpec, fabric: Fabric) -> dict:
     compute, settings = row["compute_s"], dict(spec.options)
     m = settings.get("microbatches", 1)
     # the rank planned is rank 0: for a pipeline, its first stage's sends alone
-    comm = layout_comm(
-        [row["comm_by_dim"]], lambda op, k, b: fabric.time(op, k, b), spec.degrees, m
-    )
+    comm = layout_comm([row["comm_by_dim"]], fabric.time, spec.degrees, m)
     bubble = bubble_time(spec.record, compute, spec.stages, settings)
     step = compute + comm + bubble
     return {

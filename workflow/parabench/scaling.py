@@ -42,7 +42,16 @@ import numpy as np
 import pandas as pd
 
 from parabench import anatomy
-from parabench.catalog import ACTIVATIONS, GRADS, OPTIMIZER, PARAMS, REFERENCE, SPLITS, record
+from parabench.catalog import (
+    ACTIVATIONS,
+    GRADS,
+    MESH_DIMS,
+    OPTIMIZER,
+    PARAMS,
+    REFERENCE,
+    SPLITS,
+    record,
+)
 from parabench.ops import OPS
 
 TOLERANCE = 0.25
@@ -142,20 +151,33 @@ def by_dim(row, strategy: str) -> dict[str, dict]:
     return {dims[0] if dims else "world": _json(row.get("comm_by_op"))}
 
 
+def spans(degrees: dict[str, int]) -> dict[str, int]:
+    """How many consecutive ranks each mesh dimension's group spans: its degree times
+    the degrees inside it (catalog.MESH_DIMS, outermost first; tp innermost). With tp 8
+    inside, a dp_shard group of 8 spans 64 ranks, eight nodes, not one."""
+    out, inner = {}, 1
+    for d in reversed(MESH_DIMS):
+        out[d] = degrees.get(d, 1) * inner
+        inner *= degrees.get(d, 1)
+    return out
+
+
 def layout_comm(
     per_rank: list[dict[str, dict]],
-    time: Callable[[str, int, float], float],
+    time: Callable[[str, int, float, int], float],
     degrees: dict[str, int],
     m: int,
 ) -> float:
     """Seconds a step waits on the collectives of the ranks measured alone, each mesh
-    dimension's at its own degree (`time(op, ranks, nbytes)`): a pipeline's transfers
-    over pp as critical_comm counts them (every stage's, once per fill and drain); the
-    other dimensions' all of them, on the busiest stage (stages run at once)."""
+    dimension's at its own degree (`time(op, ranks, nbytes, span)`, span: the
+    consecutive ranks its group covers, which decides a link's level): a pipeline's
+    transfers over pp as critical_comm counts them (every stage's, once per fill and
+    drain); the other dimensions' all of them, on the busiest stage (stages run at once)."""
     deg = {**degrees, "world": max(degrees.values(), default=1)}
+    span = {**spans(degrees), "world": deg["world"]}
 
     def at(d: str) -> Callable[[str, float], float]:
-        return lambda op, nbytes: time(op, deg.get(d, 1), nbytes)
+        return lambda op, nbytes: time(op, deg.get(d, 1), nbytes, span.get(d, 1))
 
     pipe = critical_comm([r.get("pp", {}) for r in per_rank], at("pp"), True, m)
     rest = max(
@@ -203,7 +225,7 @@ def predict(
             compute = mine["compute_s"].max() * max(1.0, row["ranks_per_core"])
             comm = layout_comm(
                 [by_dim(r, row["strategy"]) for _, r in mine.iterrows()],
-                lambda op, k, nbytes: curve_time(curves, op, k, nbytes),
+                lambda op, k, nbytes, _span: curve_time(curves, op, k, nbytes),
                 degrees_of(row),
                 settings.get("microbatches", 1),
             )
