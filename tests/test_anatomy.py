@@ -630,3 +630,15 @@ def test_the_work_check_pairs_each_session_with_the_block_after_it():
 
 def test_the_anatomy_reads_the_regions_marks_writes():
     assert anatomy.COMPUTE_REGIONS == marks.COMPUTE and anatomy.LAUNCH_REGION == marks.LAUNCH
+
+
+def test_a_cell_is_predicted_from_its_own_ranks_not_its_ac_twins():
+    """ddp x2 with and without activation checkpointing: each prediction reads the rank
+    measured alone at its own AC level (the slower one's compute served both before)."""
+    ranks = pd.DataFrame([alone_row("ddp", 2, 0.010), alone_row("ddp", 2, 0.013, ac="full")])
+    for ac, compute in (("none", 0.010), ("full", 0.013)):
+        row = pd.Series(summary_row("ddp", 2, 0.02, ac=ac))
+        mine, why = scaling.measured_alone(
+            ranks, row, ["model", "precision", "optimizer", "compile"]
+        )
+        assert not why and list(mine["compute_s"]) == [compute]

@@ -116,3 +116,49 @@ def test_configs_that_name_no_checkpointing_keep_every_cells_path_and_hash():
     now = {c.path: c.spec for c in cells(load_config(REPO / "config/config.yaml"))}
     assert {p: now[p].config_hash() for p in before} == before
     assert all("ac" not in now[p].to_dict() for p in before)
+
+
+def test_a_degree_of_the_wrong_type_is_named_not_a_crash():
+    for bad in (0, "two"):
+        found = problems(gpt_config(["single", "fsdp_tp"], [4], options={"fsdp_tp": {"tp": bad}}))
+        assert found and all(p.startswith("options.fsdp_tp.tp: must be") for p in found), found
+
+
+def test_the_memory_model_splits_by_the_degrees_that_split_each_part():
+    import pandas as pd
+
+    from parabench.scaling import memory_model
+
+    def shares(strategy: str, devices: int) -> dict:
+        row = pd.Series(
+            {
+                "strategy": strategy,
+                "devices": devices,
+                "options": "",
+                "optimizer": "adamw",
+                "global_batch": 8,
+                "precision": "fp32",
+            }
+        )
+        m = memory_model(row, params=1.0, act_per_sample=4.0)
+        return {
+            k: m[k] / b for k, b in (("model_params_bytes", 4), ("model_activations_bytes", 32))
+        }
+
+    # HSDP at 2 x 2 keeps half the parameters (its shard group's), not a quarter
+    assert shares("hsdp", 4) == {"model_params_bytes": 0.5, "model_activations_bytes": 0.25}
+    assert shares("fsdp_tp", 4) == {"model_params_bytes": 0.25, "model_activations_bytes": 0.25}
+    assert shares("ddp", 4) == {"model_params_bytes": 1.0, "model_activations_bytes": 0.25}
+    assert shares("fsdp", 4)["model_params_bytes"] == 0.25
+
+
+def test_a_stage_checkpoints_the_models_repeated_blocks_it_holds():
+    from parabench.models import build
+    from parabench.spec import ModelSpec
+    from parabench.strategies import checkpointing
+
+    model = build(ModelSpec.of(**GPT), 0)
+    blocks = model.blocks()  # embed, block, block, head: stage 0 of 2 is [embed, block]
+    chosen = checkpointing.apply(blocks, "full", within=blocks[:2])
+    assert [type(b).__name__ for b in chosen] == ["Block"] and chosen[0] is blocks[1]
+    assert checkpointing.count(blocks) == 1

@@ -192,3 +192,28 @@ def test_root_cause_names_the_first_failure(report, errors, expected):
     from parabench import guard
 
     assert guard.root_cause(report, errors, 2) == expected
+
+
+def test_a_result_of_the_version_before_activation_checkpointing_is_read_as_none(tmp_path):
+    """Version 3 records (no `ac`) are what those cells ran without checkpointing: read
+    as `ac: none`, so a finished result survives the upgrade (its settings hash is the
+    same too); an older version is still refused."""
+    meta = {
+        "schema_version": 3,
+        "status": "skipped",
+        "reason": "no GPUs",
+        "model": "m",
+        "precision": "fp32",
+        "optimizer": "sgd",
+        "compile": False,
+        "strategy": "dp",
+        "devices": 2,
+        "repeat": 0,
+    }
+    (tmp_path / "meta.json").write_text(json.dumps(meta))
+    assert records.read_meta(tmp_path / "meta.json")["ac"] == "none"
+    old = [c for c in records.STEP_COLUMNS if c != "ac"]
+    records.check_step_header(tmp_path / "steps.csv", old)
+    (tmp_path / "meta.json").write_text(json.dumps({**meta, "schema_version": 2}))
+    with pytest.raises(records.ResultsError, match="schema version 2"):
+        records.read_meta(tmp_path / "meta.json")

@@ -183,7 +183,7 @@ def _cell_row(
     try:
         with open(steps_path) as f:
             records.check_step_header(steps_path, next(csv.reader(f)))
-        steps = pd.read_csv(steps_path)
+        steps = pd.read_csv(steps_path).assign(**{k: meta[k] for k in records.ALSO_READ[3]})
     except (OSError, StopIteration, pd.errors.ParserError) as e:
         raise records.ResultsError(f"{steps_path}: unreadable steps ({e})") from e
     timed = steps.loc[steps["phase"] == "timed", "step_time_s"]

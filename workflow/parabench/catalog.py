@@ -46,7 +46,6 @@ SPLITS = {
 # Activation checkpointing levels: none; full (every repeated block recomputed in
 # backward); selective (torchtitan's per-op policy: matmuls, attention and collectives
 # saved, the cheap elementwise ops recomputed); every<k> (every k-th block in full).
-AC_LEVELS = ("none", "full", "selective")
 AC_PATTERN = r"none|full|selective|every[2-9]"
 
 
@@ -128,10 +127,12 @@ class StrategyRecord:
     # each rank takes B/n; "devices*accum": k micro-batches of B/(n*k) per rank;
     # "microbatches": the pipeline's m micro-batches; None: never split.
     batch_split: str | None = None
-    cuts_model: bool = False  # stages cut between blocks: needs devices <= blocks
+    cuts_model: bool = False  # stages cut between blocks: needs stages <= blocks
     cuda_only_beyond_one: bool = False  # on CPU it would silently run one copy
     fixed_devices: int | None = None  # swept only at this count (single: 1)
-    sharded: frozenset[str] = frozenset()  # held 1/n per rank (memory model)
+    # held 1/n per rank beyond what its degrees split (memory model: catalog.SPLITS per
+    # mesh dimension): ZeRO-1's optimizer, DataParallel's batch
+    sharded: frozenset[str] = frozenset()
     needs_tp_plan: bool = False  # the model must declare which layers to split
     compiles: bool = True  # torch.compile composes with it (per block)
     reference: bool = False  # the baseline of speedup and equivalence
@@ -336,7 +337,6 @@ _RECORDS = (
         step="FSDP2 over dp_shard, tensor parallel inside each tp group (Llama 3 70B's 2D)",
         degrees=Degrees(dp_shard=REST, tp="tp"),
         needs_tp_plan=True,
-        sharded=MODEL_STATE | {ACTIVATIONS},
         options={
             "tp": _degree("tp", "ranks that split each layer; dp_shard takes the rest"),
             "reshard_after_forward": _RESHARD,
@@ -348,7 +348,6 @@ _RECORDS = (
         "HSDP",
         step="FSDP2 shards within each dp_shard group, replicas across dp_replicate all-reduce",
         degrees=Degrees(dp_replicate="dp_replicate", dp_shard=REST),
-        sharded=MODEL_STATE | {ACTIVATIONS},
         options={
             "dp_replicate": _degree("dp_replicate", "replicas (across nodes, typically)"),
             "reshard_after_forward": _RESHARD,
@@ -362,7 +361,6 @@ _RECORDS = (
         degrees=Degrees(pp="pp", dp_replicate=REST),
         cuts_model=True,
         sends="activations",
-        sharded=frozenset({ACTIVATIONS}),
         options={"pp": _degree("pp", "pipeline stages"), **_PIPELINE_OPTIONS},
         **_LAYOUT,
     ),
@@ -373,7 +371,6 @@ _RECORDS = (
         degrees=Degrees(pp="pp", dp_shard=REST),
         cuts_model=True,
         sends="activations",
-        sharded=MODEL_STATE | {ACTIVATIONS},
         options={"pp": _degree("pp", "pipeline stages"), **_PIPELINE_OPTIONS},
         **_LAYOUT,
     ),
@@ -385,7 +382,6 @@ _RECORDS = (
         cuts_model=True,
         needs_tp_plan=True,
         sends="activations",
-        sharded=MODEL_STATE | {ACTIVATIONS},
         options={"pp": _degree("pp", "pipeline stages"), **_PIPELINE_OPTIONS},
         **_LAYOUT,
     ),
@@ -419,7 +415,10 @@ def device_counts(strategy: str, devices: list[int], options: dict | None = None
     if rec.fixed_devices:
         return [rec.fixed_devices]
     if rec.layout:
-        opts = {**{k: o.default for k, o in rec.options.items()}, **(options or {})}
+        given = options or {}
+        if any(k in rec.options and rec.options[k].problem(k, v) for k, v in given.items()):
+            return sorted(set(devices))  # its cells' checks name the option at fault
+        opts = {**{k: o.default for k, o in rec.options.items()}, **given}
         return [n for n in sorted(set(devices)) if not rec.degrees.problem(rec.name, n, opts)]
     return sorted(set(devices))
 

@@ -364,6 +364,9 @@ def _timed(spec: RunSpec, ctx: runtime.Context, out: Path, t_start: float, host:
 
     held = strategy.held_bytes()  # between steps: what the rank keeps, not transients
     state = strategy.full_state()  # after every step of the plan, before the counted one
+    # Gathering the whole parameters is not the strategy's step: its memory is not the
+    # cell's peak (the high-water mark from before the copy was dropped is `earlier`).
+    profiling.reset_high_water(physical)
     sync = synchronizer(physical)
     counted = profiler.count(lambda: run_step(strategy, batches, len(steps), sync))
     # the ranks sharing this rank's cores (on its host), and how long they ran in each

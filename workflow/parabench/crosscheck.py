@@ -64,6 +64,7 @@ def _curve_comm(row: pd.Series, curves: pd.DataFrame, n: int) -> float:
             lambda op, k, nbytes, _span: curve_time(curves, op, k, nbytes),
             degrees_of(row),
             options(row).get("microbatches", 1),
+            scheduled=False,  # comm_s is all of it, hidden or not
         )
     return comm_time(row["comm_by_op"], curves, n)
 

@@ -47,6 +47,13 @@ def _fits(peak: int, memory: int | None) -> bool | None:
     return None if not memory else peak <= memory
 
 
+def _dp_share(spec: RunSpec) -> float:
+    """The share of a device in its data-parallel rank: 1/(tp x pp), 1 for the
+    strategies without degrees (their rank is their device)."""
+    deg = spec.degrees
+    return 1 / (deg["tp"] * deg["pp"])
+
+
 def predict(row: dict, spec: RunSpec, fabric: Fabric) -> dict:
     """The planned rank's step on `fabric`, by the scaling model's terms."""
     compute, settings = row["compute_s"], dict(spec.options)
@@ -59,7 +66,8 @@ def predict(row: dict, spec: RunSpec, fabric: Fabric) -> dict:
         "comm_s": comm,
         "bubble_s": bubble,
         "predicted_step_s": step,
-        "samples_per_s_per_device": row["samples_per_rank"] / step,
+        # a data-parallel rank's samples, which its tp x pp devices share
+        "samples_per_s_per_device": row["samples_per_rank"] / step * _dp_share(spec),
         # what a device would do alone (its compute) over what it does in the world
         "scaling_efficiency": compute / step,
         "fits": _fits(row["peak_memory_bytes"], row["device_memory_bytes"]),

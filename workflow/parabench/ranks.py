@@ -24,6 +24,7 @@ why. `parabench plan` measures ranks at world sizes no one here has (plan.py).
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import statistics
@@ -75,14 +76,13 @@ def rank_of(spec: RunSpec, threads: int, rank: int = 0) -> dict:
         group.alone = True  # no peer will ever send (nocomm.py)
         cores = envinfo.usable_cores()
         # Alone on its host: local rank 0 of 1, so it needs the one device it drives.
-        meshes = None
-        if spec.record.layout:
-            meshes = runtime.build_meshes(spec.degrees, device.type, f"_{next(_BUILT)}")
-        ctx = runtime.Context(
-            rank, world, 0, device, threads, True, 1, (), cores, group, group, meshes
-        )
+        ctx = runtime.Context(rank, world, 0, device, threads, True, 1, (), cores, group, group)
         if reason := strategies.get(spec.strategy).skip_reason(spec, ctx):
             return {"status": "skipped", "reason": reason}
+        meshes = None
+        if spec.record.layout:  # after the skip: a mesh on a device that is not there fails
+            meshes = runtime.build_meshes(spec.degrees, device.type, f"_{next(_BUILT)}")
+            ctx = dataclasses.replace(ctx, meshes=meshes)
         model = build(spec.model, spec.seed)
         strategy = strategies.build(model, spec, ctx)
         # Only this rank's samples are drawn: at weak scaling the global batch of a
@@ -107,6 +107,7 @@ def rank_of(spec: RunSpec, threads: int, rank: int = 0) -> dict:
                 lambda: run_step(strategy, batches, STEPS + WARMUP, sync), shapes=False
             )
         comm = nocomm.merged(by_dim)
+        peak = profiling.peak_memory(strategy.devices(), held, counted)  # before the tracker's step
         saved = saved_activations(lambda: run_step(strategy, batches, STEPS + WARMUP + 1, sync))
         return {
             "status": "ok",
@@ -116,7 +117,7 @@ def rank_of(spec: RunSpec, threads: int, rank: int = 0) -> dict:
             "params_bytes_per_rank": held["params"],
             "grads_bytes_per_rank": held["grads"],
             "optimizer_bytes_per_rank": held["optimizer"],
-            "peak_memory_bytes": profiling.peak_memory(strategy.devices(), held, counted),
+            "peak_memory_bytes": peak,
             "device_memory_bytes": device_memory(device),
             "compute_s": statistics.median(times[WARMUP:]),
             "compute_steps_s": times[WARMUP:],

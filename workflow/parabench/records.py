@@ -17,6 +17,10 @@ import time
 from pathlib import Path
 
 SCHEMA_VERSION = 4
+# Version 3, before activation checkpointing joined a cell's key: read as `ac: none`
+# (what those cells ran), so a finished result survives the upgrade; its settings hash
+# is unchanged too (RunSpec leaves `ac` out of it when none).
+ALSO_READ = {3: {"ac": "none"}}
 STATUSES = ("ok", "skipped", "failed", "diverged")
 # Statuses whose cells ran their steps (steps.csv holds them): a diverged cell's loss
 # became NaN or inf, so its times are kept but never ranked, its parameters never compared.
@@ -211,7 +215,9 @@ def read_meta(path: Path) -> dict:
     if not isinstance(meta, dict):
         raise ResultsError(f"{path}: results metadata is not a JSON object")
     version = meta.get("schema_version")
-    if version != SCHEMA_VERSION:
+    if version in ALSO_READ:
+        meta = {**ALSO_READ[version], **meta}
+    elif version != SCHEMA_VERSION:
         raise ResultsError(
             f"{path}: results schema version {version!r}, this parabench reads {SCHEMA_VERSION}; "
             "re-run the cell (delete its directory) or aggregate with the matching version"
@@ -225,7 +231,9 @@ def read_meta(path: Path) -> dict:
 
 
 def check_step_header(path: Path, header: list[str]) -> None:
-    if header != list(STEP_COLUMNS):
+    """The columns of steps.csv: this version's, or an older one's that ALSO_READ fills."""
+    older = [c for c in STEP_COLUMNS if c not in ALSO_READ[3]]
+    if header != list(STEP_COLUMNS) and header != older:
         raise ResultsError(
             f"{path}: step columns {header} do not match schema v{SCHEMA_VERSION} "
             f"{list(STEP_COLUMNS)}"
@@ -329,6 +337,7 @@ SUMMARY_COLUMNS: dict[str, str] = {
     "equivalent": "True: same maths as single; False: differs; empty: not comparable",
     "likely_cause": "where a cell differs: the model's layers that change under this split",
     "emulated": "true when devices were stand-ins (stages all on one CPU)",
+    "options": "the strategy's own settings, as JSON (its catalog record's options)",
     "compute_s": "critical profiled step (the straggler's parts over the slowest rank's step, "
     "interquartile mean over steps): forward, backward, optimizer",
     "comm_s": "all communication's own time (collectives, send/recv), hidden or not",

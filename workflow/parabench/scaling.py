@@ -113,7 +113,7 @@ def measured_alone(
     if ranks is None or ranks.empty:
         return pd.DataFrame(), "no rank of it was measured alone (no ranks.csv: logs/ranks.log)"
     mine = ranks[ranks["devices"] == row["devices"]]
-    for k in (*keys, "strategy"):
+    for k in (*keys, "ac", "strategy"):
         mine = mine[mine[k] == row[k]]
     if len(bad := mine[mine["status"] != "ok"]):
         r = bad.iloc[0]
@@ -167,19 +167,24 @@ def layout_comm(
     time: Callable[[str, int, float, int], float],
     degrees: dict[str, int],
     m: int,
+    scheduled: bool = True,
 ) -> float:
     """Seconds a step waits on the collectives of the ranks measured alone, each mesh
     dimension's at its own degree (`time(op, ranks, nbytes, span)`, span: the
     consecutive ranks its group covers, which decides a link's level): a pipeline's
     transfers over pp as critical_comm counts them (every stage's, once per fill and
-    drain); the other dimensions' all of them, on the busiest stage (stages run at once)."""
+    drain; `scheduled` False: all of them, as a rank's own communication time counts
+    them); the other dimensions' all of them, on the busiest stage (stages run at once)."""
     deg = {**degrees, "world": max(degrees.values(), default=1)}
     span = {**spans(degrees), "world": deg["world"]}
 
     def at(d: str) -> Callable[[str, float], float]:
         return lambda op, nbytes: time(op, deg.get(d, 1), nbytes, span.get(d, 1))
 
-    pipe = critical_comm([r.get("pp", {}) for r in per_rank], at("pp"), True, m)
+    pp = [r.get("pp", {}) for r in per_rank]
+    pipe = (
+        critical_comm(pp, at("pp"), True, m) if scheduled else critical_comm(pp, at("pp"), False, 1)
+    )
     rest = max(
         (
             sum(critical_comm([ops], at(d), False, 1) for d, ops in r.items() if d != "pp")
@@ -187,7 +192,7 @@ def layout_comm(
         ),
         default=0.0,
     )
-    return (pipe if any("pp" in r for r in per_rank) else 0.0) + rest
+    return pipe + rest
 
 
 def predict(

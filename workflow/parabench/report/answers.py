@@ -163,6 +163,7 @@ def best_layout(summary: pd.DataFrame) -> list[str]:
     ok = ok[(ok["ac"] == "none") & (ok["devices"] > 1)]
     out = []
     for key, g in ok.groupby([*_CELL, "devices"], sort=False):
+        g = g[~g["emulated"].astype(bool)]  # stand-in devices are not ranked
         layout = g[[CATALOG[s].layout for s in g["strategy"]]]
         flat = g[[not CATALOG[s].layout for s in g["strategy"]]]
         if layout.empty or flat.empty:
@@ -180,18 +181,27 @@ def best_layout(summary: pd.DataFrame) -> list[str]:
 def ddp_vs_fsdp(summary: pd.DataFrame) -> list[str]:
     out = []
     for key, d, f in _pairs(summary, "ddp", "fsdp"):
+        gathers = "twice (forward, and again in backward)" if _reshards(f) else "once"
         reason = (
             f"exposed communication {_ms(d['comm_exposed_s'])} (DDP) against "
             f"{_ms(f['comm_exposed_s'])} (FSDP); bytes per step {_mib(d['comm_bytes_per_step'])} "
-            f"against {_mib(f['comm_bytes_per_step'])} (FSDP gathers every parameter in "
-            "forward and again in backward, then reduce-scatters the gradients: about 3× "
-            "the parameter bytes against DDP's 2× for one all-reduce)"
+            f"against {_mib(f['comm_bytes_per_step'])}, in nccl-tests' sizes: DDP's one "
+            f"all-reduce counts the gradients once, FSDP gathers every parameter {gathers} "
+            "and reduce-scatters the gradients, and a collective's own time is what the "
+            "step waited for where compute did not hide it"
         )
         out.append(
             f"{key[0]} at {int(d['devices'])}: FSDP {_interval(f)} against DDP "
             f"{_interval(d)}: FSDP is {verdict(f, d)}. The anatomy's reason: {reason}."
         )
     return out
+
+
+def _reshards(row) -> bool:
+    """FSDP's reshard_after_forward in this row (its default: true)."""
+    text = row.get("options")
+    opts = json.loads(text) if isinstance(text, str) and text else {}
+    return bool(opts.get("reshard_after_forward", True))
 
 
 def dims_table(summary: pd.DataFrame) -> list[dict]:

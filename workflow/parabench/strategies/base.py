@@ -133,14 +133,18 @@ def cpu_params(module: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().to("cpu", copy=True) for k, v in module.named_parameters()}
 
 
-def full_params(module: nn.Module, ctx: Context) -> dict[str, torch.Tensor] | None:
-    """Whole parameters on rank 0 for a module whose parameters are DTensors (FSDP's
-    shards, tensor-parallel slices) or plain replicas. Collective: every rank calls it."""
+def full_params(
+    module: nn.Module, ctx: Context, everywhere: bool = False
+) -> dict[str, torch.Tensor] | None:
+    """Whole parameters on rank 0 (on every rank: `everywhere`) for a module whose
+    parameters are DTensors (FSDP's shards, tensor-parallel slices) or plain replicas.
+    Collective: every rank calls it. Each is on the CPU before the next is gathered, so
+    the device holds one whole parameter at a time."""
     out = {}
     for k, v in module.named_parameters():
         whole = v.full_tensor() if hasattr(v, "full_tensor") else v  # gathers a DTensor
         out[k] = whole.detach().to("cpu", copy=True)
-    return out if ctx.is_main else None
+    return out if ctx.is_main or everywhere else None
 
 
 def fp32_loss(loss_fn):

@@ -51,13 +51,19 @@ def every(level: str) -> int:
     return int(level.removeprefix("every")) if level.startswith("every") else 1
 
 
-def apply(blocks: list[nn.Module], level: str) -> list[nn.Module]:
-    """Checkpoint `blocks` (each repeated block, or every k-th of them) at `level`, in
-    place; the blocks checkpointed."""
+def apply(
+    blocks: list[nn.Module], level: str, within: list[nn.Module] | None = None
+) -> list[nn.Module]:
+    """Checkpoint the model's `blocks` (each repeated block, or every k-th of them) at
+    `level`, in place, those `within` a pipeline stage's only; the blocks checkpointed.
+    Chosen over the whole model: a stage of an embedding and one layer must checkpoint
+    the layer, and every k-th counts across stages as it does without them."""
     k = every(level)
     if not k:
         return []
     chosen = [b for i, b in enumerate(repeated(blocks)) if (i + 1) % k == 0]
+    if within is not None:
+        chosen = [b for b in chosen if any(b is w for w in within)]
     context = _selective if level == "selective" else _plain
     for block in chosen:
         block.forward = functools.partial(
@@ -77,7 +83,9 @@ def _marked(forward):
 
     @functools.wraps(forward)
     def run(*args, **kwargs):
-        if torch._C._current_graph_task_id() == -1:  # the forward itself
+        # Under torch.compile the recompute is the compiled graph's, unmarked (reading
+        # autograd's graph task would break the graph): recompute_s is then not measured.
+        if torch.compiler.is_compiling() or torch._C._current_graph_task_id() == -1:
             return forward(*args, **kwargs)
         with region(RECOMPUTE, traced=False):
             return forward(*args, **kwargs)

@@ -10,7 +10,7 @@ record declares the degrees (catalog.Degrees), runtime.start builds the mesh
 2. tensor parallel: the model's plan over the tp dimension, on the stage's layers;
 3. activation checkpointing: each repeated block's forward (it must wrap TP's layers,
    so the recompute issues TP's collectives again, and sit inside FSDP's hooks);
-4. compile: each block's forward, after AC (dynamo traces the checkpoint);
+4. compile: each block's forward, after AC;
 5. data parallel: FSDP2 on dp_shard, or HSDP on (dp_replicate, dp_shard), per block
    then the root; or DDP over dp_replicate when nothing is sharded.
 
@@ -38,6 +38,7 @@ from parabench.spec import RunSpec
 from parabench.strategies import checkpointing
 from parabench.strategies.base import (
     Strategy,
+    full_params,
     gather_state,
     make_optimizer,
     stage_cuts,
@@ -71,7 +72,8 @@ class Layout(Strategy):
         part.to(ctx.device)
         if deg["tp"] > 1:  # 2. the plan's layers this stage holds
             apply_tp(part, mesh, model.tp_plan)
-        checkpointing.apply(blocks, spec.ac)  # 3.
+        # 3. the model's repeated blocks that AC picks, those of this stage
+        checkpointing.apply(model.blocks(), spec.ac, within=blocks)
         if spec.compile:  # 4. each block's forward, in place
             for block in blocks or [part]:
                 block.forward = torch.compile(block.forward)
@@ -121,13 +123,16 @@ class Layout(Strategy):
         return torch.stack([loss.detach() for loss in losses]).mean() / holders
 
     def full_state(self) -> dict[str, torch.Tensor] | None:
-        # Each DTensor gathered over its own mesh (collective within the stage), then
-        # the stages merged on rank 0.
-        whole = {
-            k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().to("cpu", copy=True)
-            for k, v in self.module.named_parameters()
-        }
-        return gather_state(whole, self.ctx)
+        # Each DTensor gathered over its own mesh (collective within the stage); then,
+        # with stages, one rank of each stage (its first: data and tp index 0) sends its
+        # stage to rank 0. Every other rank sends nothing: world copies of the model
+        # through all_gather_object would be the cell's peak memory.
+        whole = full_params(self.module, self.ctx, everywhere=True)
+        if self.run is None:
+            return whole if self.ctx.is_main else None
+        m = self.mesh
+        first = all(m.coordinate(d) == 0 for d in ("dp_replicate", "dp_shard", "tp"))
+        return gather_state(whole if first else {}, self.ctx)
 
 
 def apply_tp(part: nn.Module, mesh: NamedMesh, plan: dict) -> None:
