@@ -18,7 +18,7 @@ import yaml
 
 from conftest import REPO, TINY_ENTRY, snakemake, tiny_config
 from parabench import doctor
-from parabench.config import cells, checked, load_config, problems, skipped
+from parabench.config import cells, checked, load_config, problems, skipped, with_devices
 from parabench.launch import cell_argv
 from parabench.spec import ModelSpec, RunSpec
 
@@ -27,9 +27,8 @@ COUNTS = [1, 2, 4, 8]
 
 
 def shipped(path: str, devices: list[int]) -> dict:
-    config = load_config(REPO / path)
-    config["devices"] = devices
-    return config
+    """A shipped config at these device counts, as `parabench sweep --devices` runs it."""
+    return with_devices(load_config(REPO / path), devices)
 
 
 @pytest.mark.parametrize("path", SHIPPED)

@@ -172,6 +172,13 @@ def spec_for(
     )
 
 
+def with_devices(config: dict, counts: list[int]) -> dict:
+    """The config swept at these device counts (`parabench sweep --devices`, `auto`: the
+    GPUs visible): its `also` cells at other counts go too, as the product's do."""
+    also = [a for a in config.get("also") or [] if a["devices"] in counts]
+    return {**config, "devices": list(counts), "also": also}
+
+
 def strategy_options(config: dict, strategy: str) -> dict:
     """The config's settings of one strategy (options.<strategy>)."""
     return (config.get("options") or {}).get(strategy) or {}

@@ -38,6 +38,7 @@ from parabench.config import (
     problems,
     rank_key,
     skipped,
+    with_devices,
 )
 from parabench.fabric import PROFILES
 from parabench.launch import (
@@ -425,9 +426,9 @@ def main(
         if results:
             config["results"] = results
         if devices == "auto":
-            config["devices"] = visible_gpus() or [1]
+            config = with_devices(config, visible_gpus() or [1])
         elif devices:
-            config["devices"] = [int(n) for n in devices.split(",")]
+            config = with_devices(config, [int(n) for n in devices.split(",")])
         command = shlex.join(["parabench", *sys.argv[1:]])
         report = sweep(config, Path.cwd(), force, dry, retry_failed, command)
     except ConfigError as e:
