@@ -227,6 +227,15 @@ def _degree(dim: str, help: str) -> Option:
     return Option(2, f"{dim} degree: {help}", minimum=2)
 
 
+# A pipelined layout's: stages cut between blocks over pp, activations between them,
+# the pipeline's settings with its pp degree.
+_STAGED = {
+    **_LAYOUT,
+    "cuts_model": True,
+    "sends": "activations",
+    "options": {"pp": _degree("pp", "pipeline stages"), **_PIPELINE_OPTIONS},
+}
+
 _RECORDS = (
     StrategyRecord(
         "single",
@@ -359,31 +368,22 @@ _RECORDS = (
         "DDP×PP",
         step="pipeline stages over pp, each stage's replicas under DDP over dp_replicate",
         degrees=Degrees(pp="pp", dp_replicate=REST),
-        cuts_model=True,
-        sends="activations",
-        options={"pp": _degree("pp", "pipeline stages"), **_PIPELINE_OPTIONS},
-        **_LAYOUT,
+        **_STAGED,
     ),
     StrategyRecord(
         "fsdp_pp",
         "FSDP×PP",
         step="pipeline stages over pp, each stage sharded by FSDP2 over dp_shard",
         degrees=Degrees(pp="pp", dp_shard=REST),
-        cuts_model=True,
-        sends="activations",
-        options={"pp": _degree("pp", "pipeline stages"), **_PIPELINE_OPTIONS},
-        **_LAYOUT,
+        **_STAGED,
     ),
     StrategyRecord(
         "tp_pp",
         "TP×PP",
         step="pipeline stages over pp, each stage's layers split by tensor parallelism",
         degrees=Degrees(pp="pp", tp=REST),
-        cuts_model=True,
         needs_tp_plan=True,
-        sends="activations",
-        options={"pp": _degree("pp", "pipeline stages"), **_PIPELINE_OPTIONS},
-        **_LAYOUT,
+        **_STAGED,
     ),
 )
 

@@ -332,11 +332,10 @@ def _layout_problems(config: dict, named: set) -> list[str]:
         if rec is None or not rec.layout:
             continue
         given = strategy_options(config, s)
-        if any(k in rec.options and rec.options[k].problem(k, v) for k, v in given.items()):
-            continue  # the cell checks name the option (checks._settings)
-        opts = {**{k: o.default for k, o in rec.options.items()}, **given}
         counts = devices(config, model)
-        if not device_counts(s, counts, opts):
+        # (a bad option keeps every count: the cells' checks name it)
+        if not device_counts(s, counts, given):
+            opts = {**{k: o.default for k, o in rec.options.items()}, **given}
             why = rec.degrees.problem(s, max(counts), opts)
             out.append(f"strategies: {s} lays out none of models.{model}'s devices {counts}: {why}")
     return out

@@ -164,11 +164,7 @@ def _publish(results: Path, holder: dict) -> bool:
     data = (json.dumps(holder, indent=2) + "\n").encode()
     fd, tmp = tempfile.mkstemp(dir=results, prefix=f"{HOLDER_FILE}.", suffix=".tmp")
     try:
-        _widen(fd)
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
+        _write_whole(fd, data)
         try:
             os.link(tmp, results / HOLDER_FILE)  # fails if it exists, atomically (NFS too)
         except FileExistsError:
@@ -190,6 +186,15 @@ def _widen(fd: int) -> None:
         os.fchmod(fd, 0o644)
 
 
+def _write_whole(fd: int, data: bytes) -> None:
+    """`data` into the new file `fd`, readable by all, on disk before it is named."""
+    _widen(fd)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
 def _create(path: Path, data: bytes) -> bool:
     """Create `path` holding `data` with O_CREAT|O_EXCL, unless it exists (False)."""
     try:
@@ -197,11 +202,7 @@ def _create(path: Path, data: bytes) -> bool:
     except FileExistsError:
         return False
     try:
-        _widen(fd)
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
+        _write_whole(fd, data)
     except BaseException:
         path.unlink(missing_ok=True)  # ours, half-written: it would refuse every run
         raise

@@ -30,7 +30,6 @@ from torch.distributed.tensor.parallel import parallelize_module
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from parabench.data import Shard
-from parabench.marks import OPTIMIZER, region
 from parabench.models import stages
 from parabench.models.base import Model
 from parabench.runtime import Context, NamedMesh
@@ -113,14 +112,9 @@ class Layout(Strategy):
         holders = self.ctx.world_size // self.degrees["pp"]
         if self.run is None:
             loss = train_step(self.root, self.loss_fn, self.opt, x, y, self.autocast())
-            return loss / holders
-        self.opt.zero_grad(set_to_none=True)
-        losses = self.run.step(x, y)
-        with region(OPTIMIZER):
-            self.opt.step()
-        if not self.run.last:
-            return torch.zeros((), device=self.ctx.device)
-        return torch.stack([loss.detach() for loss in losses]).mean() / holders
+        else:
+            loss = self.run.train_step(x, y, self.opt)
+        return loss / holders
 
     def full_state(self) -> dict[str, torch.Tensor] | None:
         # Each DTensor gathered over its own mesh (collective within the stage); then,

@@ -101,6 +101,20 @@ class StageRun:
             self.stage, n_microbatches=m, loss_fn=loss_fn
         )
 
+    def train_step(
+        self, x: torch.Tensor, y: torch.Tensor, opt: torch.optim.Optimizer
+    ) -> torch.Tensor:
+        """One optimizer step through the schedule: the global batch's mean loss on the
+        last stage (each micro-batch loss is a mean over B/m samples, so their mean is
+        the global one), zero elsewhere."""
+        opt.zero_grad(set_to_none=True)
+        losses = self.step(x, y)
+        with region(OPTIMIZER):
+            opt.step()
+        if not self.last:
+            return torch.zeros((), device=x.device)
+        return torch.stack([loss.detach() for loss in losses]).mean()
+
     def step(self, x: torch.Tensor, y: torch.Tensor) -> list[torch.Tensor]:
         """The schedule's forwards and backwards of one step (not the update): the last
         stage's micro-batch losses, none elsewhere."""
@@ -145,14 +159,7 @@ class Pipeline(Strategy):
         )
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        self.opt.zero_grad(set_to_none=True)
-        losses = self.run.step(x, y)
-        with region(OPTIMIZER):
-            self.opt.step()
-        if not self.run.last:
-            return torch.zeros((), device=self.ctx.device)
-        # Each micro-batch loss is a mean over B/m samples; their mean is the global mean.
-        return torch.stack([loss.detach() for loss in losses]).mean()
+        return self.run.train_step(x, y, self.opt)
 
     def full_state(self) -> dict[str, torch.Tensor] | None:
         return gather_state(cpu_params(self.module), self.ctx)
