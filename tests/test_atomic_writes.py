@@ -18,8 +18,8 @@ ALLOWED = {
     ("records.py", "atomic_write_bytes"): "the one writer: a temporary file, then os.replace",
     ("sweep.py", "_logged"): "a job's log, streamed while it runs",
     ("profiling.py", "save"): "the trace: gzip into a temporary file, then a rename",
-    ("lock.py", "_publish"): "the lock's holder: a temporary file, then link(2)",
-    ("lock.py", "_create"): "the holder where link(2) is refused: O_EXCL, removed if half-written",
+    ("lock.py", "_write_whole"): "the lock's holder, into a file no reader names yet: a "
+    "temporary one then link(2), or O_EXCL where link(2) is refused, removed if half-written",
 }
 # Calls that write to the path or file they are given.
 WRITERS = {"to_csv", "to_json", "to_parquet", "write_text", "write_bytes", "savefig", "dump"}
