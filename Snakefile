@@ -54,6 +54,7 @@ include: "workflow/rules/ranks.smk"
 include: "workflow/rules/aggregate.smk"
 include: "workflow/rules/report.smk"
 include: "workflow/rules/plan.smk"
+include: "workflow/rules/advise.smk"
 
 
 # The run's hooks, in the main process only (not in a cluster job's parse of this file),
@@ -83,3 +84,4 @@ rule all:
         f"{RESULTS}/summary.csv",
         f"{RESULTS}/report.html",
         f"{RESULTS}/plan.csv" if config["plan"]["enabled"] else [],
+        f"{RESULTS}/advise.csv" if config["advise"]["enabled"] else [],

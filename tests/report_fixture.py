@@ -3,6 +3,7 @@ by the real code. Hostile strings sit where results carry free text."""
 
 from __future__ import annotations
 
+import functools
 import io
 from pathlib import Path
 
@@ -118,9 +119,39 @@ def make_results(
     return metas
 
 
-def build_report(root: Path, config: dict | None = None) -> str:
+@functools.cache
+def _torchtitan() -> tuple[dict, ...]:
+    from parabench import advise, gpus
+    from parabench.fabric import PROFILES
+
+    return tuple(
+        advise.check_torchtitan(gpus.PROFILES["h100-96gb-500w"], PROFILES["h100-nvlink-ndr400"])
+    )
+
+
+def advise_results(root: Path) -> None:
+    """advise.csv for the fixture's model at 4 and 64 GPUs, and the torchtitan check,
+    by the real search (fake tensors: seconds)."""
+    from parabench import advise, gpus
+    from parabench.fabric import PROFILES
+
+    config = {
+        "models": {"m": {"arch": "mlp", "dims": DIMS, "batch_size": BATCH}},
+        "advise": {"gpus": [4, 64], "gpus_per_node": 8, "precision": "fp32", "optimizer": "sgd"},
+    }
+    advise.run(
+        config, gpus.PROFILES["h100"], PROFILES["h100-nvlink-ndr400"], root, log=lambda _: None
+    )
+    records.write_rows(
+        root / "advise-torchtitan.csv", records.TORCHTITAN_COLUMNS, list(_torchtitan())
+    )
+
+
+def build_report(root: Path, config: dict | None = None, advice: bool = False) -> str:
     metas = make_results(root)
     aggregate(metas, root / "steps.csv", root / "summary.csv", root / "cells.csv")
+    if advice:
+        advise_results(root)
     render(
         root,
         REPO / "report",

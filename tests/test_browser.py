@@ -99,7 +99,9 @@ def test_the_report_reads_on_a_laptop_screen_without_scrolling_sideways(tmp_path
     import json
 
     chromium = require_tool("chromium")
-    page = build_report(tmp_path).replace("</body>", MEASURE)
+    page = build_report(tmp_path, advice=True)
+    assert 'id="what-to-run"' in page and 'id="advise-torchtitan"' in page
+    page = page.replace("</body>", MEASURE)
     (tmp_path / "measured.html").write_text(page)
     proc = subprocess.run(
         [

@@ -95,3 +95,9 @@ def test_a_mesh_dimension_is_priced_on_the_links_its_group_spans():
     assert across == pytest.approx(h100.time("all_gather", 8, 1e9, span=64))
     assert within == pytest.approx(h100.time("all_gather", 8, 1e9))
     assert across > within
+    # one rank per node: that rank's NIC alone, an eighth of a whole node's (8 per node)
+    whole_nodes = h100.time("all_gather", 64, 1e9, span=64)
+    inter = h100.tables["inter"]
+    assert whole_nodes == pytest.approx(inter.time("all_gather", 64, 1e9))
+    one_nic = inter.latency_s + 1e9 * (7 / 8) / (inter.busbw[0] / 8)
+    assert across == pytest.approx(one_nic)

@@ -118,7 +118,15 @@ def test_panels_wrap_and_a_figure_past_the_renderers_limit_still_draws(report):
         out = pd.concat([t.assign(model=f"m{i}") for i in range(copies)], ignore_index=True)
         return out.assign(panel=panel_labels(out))
 
-    wide = Results(many(one.summary), many(one.cells), many(one.steps), one.collectives, one.plan)
+    wide = Results(
+        many(one.summary),
+        many(one.cells),
+        many(one.steps),
+        one.collectives,
+        one.plan,
+        one.advise,
+        one.torchtitan,
+    )
     drawn = figures.plots(wide)
     width, height = size(drawn["speedup"])  # 7 panels: 3 rows of at most 3
     assert width < 3.5 * 5.2 * figures.DPI and height > 2.5 * 3.8 * figures.DPI, (width, height)

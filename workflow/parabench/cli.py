@@ -115,6 +115,34 @@ def _parser() -> argparse.ArgumentParser:
     pln.add_argument("--out", type=Path, required=True, help="directory for plan.csv")
     pln.add_argument("--measure", action="store_true", help=argparse.SUPPRESS)  # the child
 
+    adv = sub.add_parser(
+        "advise", help="which layout on N GPUs, whether it fits, how fast: advise.csv"
+    )
+    adv.add_argument("config", type=Path, nargs="?", help="a workflow config file")
+    adv.add_argument("--config-json", default="", help="the workflow config, as JSON")
+    adv.add_argument("--gpus", type=int, nargs="+", help="GPU counts N (default: the config's)")
+    adv.add_argument("--gpus-per-node", type=int, help="GPUs per node (default: the config's)")
+    adv.add_argument("--gpu", help="a GPU profile, this-machine, or a profile file")
+    adv.add_argument("--fabric", help="curves, a named profile or an nccl-tests output file")
+    adv.add_argument("--global-batch", type=int, help="samples per step over all GPUs")
+    adv.add_argument("--global-tokens", type=int, help="tokens per step over all GPUs")
+    adv.add_argument("--models", nargs="+", help="the models (default: the config's)")
+    adv.add_argument(
+        "--torchtitan",
+        action="store_true",
+        help="also predict torchtitan's published runs: advise-torchtitan.csv",
+    )
+    adv.add_argument(
+        "--collectives", type=Path, help="collectives.csv, for fabric curves (default: results')"
+    )
+    adv.add_argument(
+        "--workers",
+        type=int,
+        help="processes searching side by side (default: this host's cores, where the "
+        "search is large enough to pay for starting them)",
+    )
+    adv.add_argument("--out", type=Path, required=True, help="directory for advise.csv")
+
     doc = sub.add_parser("doctor", help="check this environment can run a config, one line each")
     doc.add_argument(
         "config", type=Path, nargs="?", help="a workflow config file (default config/config.yaml)"
@@ -215,6 +243,8 @@ def main(argv: list[str] | None = None) -> int:
         return _compare(args)
     if args.command == "plan":
         return _plan(args)
+    if args.command == "advise":
+        return _advise(args)
     if args.command == "ranks":
         return _ranks(args)
     if args.command == "doctor":
@@ -431,4 +461,67 @@ def _plan(args: argparse.Namespace) -> int:
     from parabench.plan import run_plan
 
     run_plan(config, fabric, args.out)
+    return 0
+
+
+def _advise(args: argparse.Namespace) -> int:
+    from parabench.config import ConfigError, advise_problems
+    from parabench.fabric import FabricError, resolve
+    from parabench.gpus import THIS_MACHINE, GPUError
+    from parabench.gpus import resolve as resolve_gpu
+
+    try:
+        config = _config(args)
+        adv = config["advise"]
+        adv["enabled"] = True
+        for key in ("gpus", "gpus_per_node", "gpu", "fabric", "models"):
+            if getattr(args, key) is not None:
+                adv[key] = getattr(args, key)
+        if args.global_batch or args.global_tokens:
+            adv.pop("global_batch", None), adv.pop("global_tokens", None)
+            adv["global_batch" if args.global_batch else "global_tokens"] = (
+                args.global_batch or args.global_tokens
+            )
+        if found := advise_problems(config, Path.cwd()):
+            raise ConfigError("; ".join(found))
+        curves = None
+        if adv["fabric"] == "curves":
+            import pandas as pd
+
+            path = args.collectives or Path(config["results"]) / "collectives.csv"
+            if not path.is_file():
+                raise ConfigError(f"advise.fabric: curves needs the collectives benchmark's {path}")
+            curves = pd.read_csv(path)
+        fabric = resolve(adv["fabric"], curves)
+        if adv["gpu"] == THIS_MACHINE:
+            from parabench.fakerank import this_machine
+
+            gpu = this_machine()
+        else:
+            gpu = resolve_gpu(adv["gpu"])
+    except (ConfigError, FabricError, GPUError, OSError) as e:
+        print(f"parabench advise: {e}", file=sys.stderr)
+        return 2
+    from parabench import advise
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    from parabench import envinfo
+
+    large = max(adv["gpus"]) >= 64  # a few seconds of search below it: one process
+    workers = args.workers or (envinfo.usable_cores() if large else 1)
+    try:
+        advise.run(config, gpu, fabric, args.out, workers=workers)
+    except Exception as e:  # a row that says why, so the report says it too
+        advise.write([{"status": "failed", "reason": f"{type(e).__name__}: {e}"[:500]}], args.out)
+        raise
+    print(f"advise: {args.out / 'advise.csv'} (gpu {gpu.name}, fabric {fabric.name})")
+    if args.torchtitan or adv.get("torchtitan"):
+        from parabench.records import TORCHTITAN_COLUMNS, write_rows
+
+        # torchtitan's runs are on its GPU and fabric, whatever the config advises on
+        checked = advise.check_torchtitan(
+            resolve_gpu("h100-96gb-500w"), resolve("h100-nvlink-ndr400")
+        )
+        write_rows(args.out / "advise-torchtitan.csv", TORCHTITAN_COLUMNS, checked)
+        print(f"advise: {args.out / 'advise-torchtitan.csv'}")
     return 0

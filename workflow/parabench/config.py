@@ -293,6 +293,7 @@ def problems(config: dict, workdir: Path | None = None) -> list[str]:
     if out:  # the cells cannot be planned: the plan's checks would plan them
         return out
     out += plan_problems(config, workdir)
+    out += advise_problems(config, workdir)
     if out:
         return out
     # A rule broken by every cell (warmup >= steps) is said once; one broken by some
@@ -378,6 +379,40 @@ def plan_problems(config: dict, workdir: Path | None = None) -> list[str]:
             f"plan.fabric: {fabric!r} is neither {', '.join(known)} nor an existing "
             "nccl-tests output file"
         )
+    return out
+
+
+def advise_problems(config: dict, workdir: Path | None = None) -> list[str]:
+    """The advise keys: its models exist and can be advised on, its GPU profile and
+    fabric can be found, its batch is given once."""
+    adv = config.get("advise") or {}
+    if not adv.get("enabled"):
+        return []
+    from parabench.gpus import NAMES, problem
+
+    out = []
+    for m in adv.get("models") or []:
+        if m not in config["models"]:
+            out.append(
+                f"advise.models: {m!r} is not a model of this config ({list(config['models'])})"
+            )
+    gpu = adv["gpu"]
+    if gpu not in NAMES and (why := problem(str(Path(workdir or ".") / gpu))):
+        out.append(f"advise.gpu: {gpu!r}: {why}")
+    fabric = adv.get("fabric", "h100-nvlink-ndr400")
+    if fabric == "curves" and not [n for n in collective_devices(config) if n > 1]:
+        out.append(
+            "advise.fabric: curves needs a collectives benchmark, and no cell of this config "
+            "runs more than one rank: name a profile or an nccl-tests output file"
+        )
+    known = ("curves", *PROFILES)
+    if fabric not in known and not (Path(workdir or ".") / fabric).is_file():
+        out.append(
+            f"advise.fabric: {fabric!r} is neither {', '.join(known)} nor an existing "
+            "nccl-tests output file"
+        )
+    if "global_batch" in adv and "global_tokens" in adv:
+        out.append("advise: give global_batch or global_tokens, not both")
     return out
 
 

@@ -87,8 +87,18 @@ class Fabric:
         if n < 2 or not nbytes:
             return 0.0
         if self.gpus_per_node:
-            level = "intra" if (span or n) <= self.gpus_per_node else "inter"
-            return self.tables[level].time(op, n, nbytes)
+            span = span or n
+            if span <= self.gpus_per_node:
+                return self.tables["intra"].time(op, n, nbytes)
+            # The inter-node level is a whole node's: every GPU's NIC carries its share.
+            # A group with fewer ranks per node (one, with tp 8 inside) drives only its
+            # own ranks' NICs: that share of the bandwidth.
+            per_node = min(self.gpus_per_node, max(1, n // math.ceil(span / self.gpus_per_node)))
+            t = self.tables["inter"]
+            share = per_node / self.gpus_per_node
+            if share < 1:
+                t = BusbwTable(t.sizes, tuple(b * share for b in t.busbw), t.latency_s)
+            return t.time(op, n, nbytes)
         if "any" in self.tables:  # one table for every op (nccl-tests)
             return self.tables["any"].time(op, n, nbytes)
         curve = OPS[op].curve if op in OPS else "send_recv"
@@ -215,8 +225,10 @@ PROFILES: dict[str, Fabric] = {
         "h100-nvlink-ndr400",
         "8x H100 SXM per node over NVLink 4, nodes over InfiniBand NDR 400 Gb/s per GPU: "
         "busbw 460 GB/s within a node (nccl-tests all_reduce_perf on 8x H100 SXM5: "
-        "460-480 GB/s at large sizes), 400 GB/s across nodes (H100 SXM with NVLink and "
-        "IB NDR: 400-450 GB/s), latency 15 and 30 us (approximate)",
+        "460-480 GB/s at large sizes), 400 GB/s across nodes for a group of whole nodes "
+        "(eight NICs of 400 Gb/s = 50 GB/s each; H100 SXM with NVLink and IB NDR: "
+        "400-450 GB/s), a group with k ranks per node k x 50 GB/s; latency 15 and 30 us "
+        "(approximate)",
         {"intra": level(460, 15), "inter": level(400, 30)},
         gpus_per_node=8,
     ),
@@ -224,7 +236,8 @@ PROFILES: dict[str, Fabric] = {
         "a100-nvlink-hdr200",
         "8x A100 SXM4 per node over NVLink 3, nodes over InfiniBand HDR 200 Gb/s per GPU: "
         "busbw 230 GB/s within a node (nccl-tests: 230-250 GB/s), 185 GB/s across nodes "
-        "(about 8 x 25 GB/s less protocol overhead), latency 15 and 30 us (approximate)",
+        "(about 8 x 25 GB/s less protocol overhead; a group with k ranks per node k/8 of it), "
+        "latency 15 and 30 us (approximate)",
         {"intra": level(230, 15), "inter": level(185, 30)},
         gpus_per_node=8,
     ),

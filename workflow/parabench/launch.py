@@ -173,6 +173,15 @@ def plan_command(
     return [python, "-m", "parabench", "plan", *_config_args(config), *curves, "--out", str(out)]
 
 
+def advise_command(
+    config: dict, out: Path | str, collectives: Path | str | None = None, python: str = "python"
+) -> list[str]:
+    """`parabench advise ...`: advise.csv (and advise-torchtitan.csv where asked) for
+    the rule and the sweep; `collectives`: the curves to read (fabric `curves`)."""
+    curves = ["--collectives", str(collectives)] if collectives else []
+    return [python, "-m", "parabench", "advise", *_config_args(config), *curves, "--out", str(out)]
+
+
 def _config_args(config: dict) -> list[str]:
     import json
 

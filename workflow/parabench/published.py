@@ -89,3 +89,130 @@ def torchtitan_check(fabric: Fabric) -> dict:
         "error": predicted / published - 1,
         "per_gpu_nic_retention": step_lo / step_nic,
     }
+
+
+# Meta's Llama 3.1 shapes (transformers' llama config keys; untied embeddings, as
+# torchtitan's Llama): what advise's torchtitan check builds, on fake tensors.
+LLAMA3 = {
+    "llama3_8b": {
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "num_hidden_layers": 32,
+    },
+    "llama3_70b": {
+        "hidden_size": 8192,
+        "intermediate_size": 28672,
+        "num_attention_heads": 64,
+        "num_key_value_heads": 8,
+        "num_hidden_layers": 80,
+    },
+    "llama3_405b": {
+        "hidden_size": 16384,
+        "intermediate_size": 53248,
+        "num_attention_heads": 128,
+        "num_key_value_heads": 8,
+        "num_hidden_layers": 126,
+    },
+}
+
+
+def llama3_model(name: str, seq_len: int = 8192) -> dict:
+    """A config's model entry for one of LLAMA3 (arch hf: built from config, no weights)."""
+    config = {
+        **LLAMA3[name],
+        "vocab_size": 128256,
+        "tie_word_embeddings": False,
+        "max_position_embeddings": seq_len,
+    }
+    return {
+        "arch": "hf",
+        "model_type": "llama",
+        "seq_len": seq_len,
+        "batch_size": 1,
+        "config": config,
+    }
+
+
+_NOT_FLOAT8 = (
+    "torch.compile and Float8 were on in the run; advise prices eager BF16 (Float8 "
+    "matmuls run up to twice as fast, compile fuses the memory-bound ops)"
+)
+
+# torchtitan's benchmarks/llama3_h100_202412_torchtitan.md: "Each host has 8 NVIDIA
+# H100 GPUs fully connected with NVLink. Each H100 GPU is equipped with 96GB HBM2e with
+# 2.4 TB/sec peak memory bandwidth. Hosts are inter-connected with backend RDMA network
+# with 400 Gb/s per GPU. We used the default 500W power limit". Sequence 8,192 (its
+# train configs); bf16 parameters and fp32 reduction (FSDP2's mixed precision, its
+# default); AdamW. Memory is the allocator's reserved peak. Each table's first row.
+TORCHTITAN_TABLES = (
+    {
+        "table": "Table 1",
+        "model": "llama3_8b",
+        "gpus": 8,
+        "dp_shard": 8,
+        "tp": 1,
+        "pp": 1,
+        "ac": "selective",
+        "micro": 2,
+        "accumulation": 1,
+        "zero": 3,
+        "schedule": "",
+        "tokens_per_s_per_gpu": 5762.0,
+        "memory_gib": 82.4,
+        "not_modelled": "",
+    },
+    {
+        "table": "Table 3",
+        "model": "llama3_8b",
+        "gpus": 128,
+        "dp_shard": 128,
+        "tp": 1,
+        "pp": 1,
+        "ac": "selective",
+        "micro": 2,
+        "accumulation": 1,
+        "zero": 3,
+        "schedule": "",
+        "tokens_per_s_per_gpu": 5605.0,
+        "memory_gib": 67.0,
+        "not_modelled": "",
+    },
+    {
+        "table": "Table 4",
+        "model": "llama3_70b",
+        "gpus": 256,
+        "dp_shard": 32,
+        "tp": 8,
+        "pp": 1,
+        "ac": "full",
+        "micro": 16,
+        "accumulation": 1,
+        "zero": 3,
+        "schedule": "",
+        "tokens_per_s_per_gpu": 829.0,
+        "memory_gib": 71.9,
+        "not_modelled": _NOT_FLOAT8,
+    },
+    {
+        "table": "Table 5",
+        "model": "llama3_405b",
+        "gpus": 512,
+        "dp_shard": 8,
+        "tp": 8,
+        "pp": 8,
+        "ac": "full",
+        "micro": 1,
+        "accumulation": 32,
+        "zero": 2,
+        "schedule": "1f1b",
+        "tokens_per_s_per_gpu": 100.0,
+        "memory_gib": 82.5,
+        "not_modelled": _NOT_FLOAT8 + "; AsyncTP (TP's collectives overlapped with its matmuls)",
+    },
+)
+TORCHTITAN_SOURCE = (
+    "torchtitan benchmarks/llama3_h100_202412_torchtitan.md (Llama 3.1 on 96 GB H100 at "
+    "500 W, 400 Gb/s per GPU across hosts)"
+)

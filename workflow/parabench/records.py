@@ -115,6 +115,67 @@ PLAN_COLUMNS = (
     "fabric_source",
 )
 
+# results/advise.csv (advise.py): one row per candidate layout; docs/results.md
+# defines each column.
+ADVISE_COLUMNS = (
+    "model",
+    "params",
+    "gpus",
+    "gpu",
+    "fabric",
+    "precision",
+    "optimizer",
+    "global_batch",
+    "tokens_per_sample",
+    "layout",
+    "pp",
+    "dp_replicate",
+    "dp_shard",
+    "tp",
+    "schedule",
+    "ac",
+    "zero",
+    "micro_batch",
+    "accumulation",
+    "status",
+    "reason",
+    "rank",
+    "memory_bytes",
+    "memory_source",
+    "param_bytes",
+    "grad_bytes",
+    "opt_bytes",
+    "act_bytes",
+    "temp_bytes",
+    "device_memory_bytes",
+    "fits",
+    "compute_s",
+    "recompute_s",
+    "comm_s",
+    "bubble_s",
+    "step_s",
+    "samples_per_s_per_gpu",
+    "tokens_per_s_per_gpu",
+    "flops_per_gpu",
+    "mfu",
+    "binding",
+    "comm_by_dim",
+)
+
+# results/advise-torchtitan.csv: advise's prediction of each of torchtitan's published
+# runs (published.TORCHTITAN_TABLES) beside what it reported.
+TORCHTITAN_COLUMNS = (
+    "table",
+    "source",
+    *ADVISE_COLUMNS,
+    "published_tokens_per_s_per_gpu",
+    "tps_error",
+    "published_memory_gib",
+    "predicted_memory_gib",
+    "memory_error",
+    "not_modelled",
+)
+
 
 def read_rows(path: Path) -> list[dict]:
     """The rows of a CSV that write_rows wrote, as strings; none if it does not exist."""

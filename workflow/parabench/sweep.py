@@ -42,6 +42,7 @@ from parabench.config import (
 )
 from parabench.fabric import PROFILES
 from parabench.launch import (
+    advise_command,
     collectives_settings,
     launch_collectives_command,
     launch_command,
@@ -103,6 +104,8 @@ def dry_run(config: dict) -> list[str]:
         lines.append(f"ranks: {len(alone)} ranks measured alone (the scaling model's input)")
     if config["plan"]["enabled"]:
         lines.append(f"plan: world sizes {config['plan']['world_sizes']}")
+    if config["advise"]["enabled"]:
+        lines.append(f"advise: {config['advise']['gpus']} x {config['advise']['gpu']}")
     return lines
 
 
@@ -146,10 +149,13 @@ def _run(config: dict, workdir: Path, force: bool, retry_failed: bool) -> Path:
     metas = _run_cells(config, results, force, retry_failed)
     benches = _run_collectives(config, results, force)
     ranks = _run_ranks(config, results, force, retry_failed)
-    if config["plan"]["enabled"]:
+    if config["plan"]["enabled"] or config["advise"]["enabled"]:
         # after the collectives, merged: the fabric `curves` reads them
         _aggregate(config, results, metas, benches, ranks)
+    if config["plan"]["enabled"]:
         _run_plan(config, workdir, results, force, retry_failed)
+    if config["advise"]["enabled"]:
+        _run_advise(config, results, force)
     _aggregate(config, results, metas, benches, ranks)
     return _render(config, results)
 
@@ -254,6 +260,25 @@ def _run_plan(config: dict, workdir: Path, results: Path, force: bool, retry_fai
         return
     argv = plan_command(config, results, results / "collectives.csv", sys.executable)
     _measure("plan", argv, table, lines)
+
+
+def _run_advise(config: dict, results: Path, force: bool) -> None:
+    """advise.csv (and the torchtitan check), unless kept for these advise settings on
+    these curves (as the rule reruns it)."""
+    table = results / "advise.csv"
+    curves = results / "collectives.csv"
+    lines = [json.dumps(config["advise"], sort_keys=True)]
+    if config["advise"]["fabric"] == "curves":
+        lines.append(hashlib.sha256(curves.read_bytes()).hexdigest() if curves.exists() else "none")
+    try:
+        kept = not force and _measures_file(table).read_text().splitlines() == lines
+    except OSError:
+        kept = False
+    if kept:
+        print(f"advise: advised with these settings, kept ({table})", flush=True)
+        return
+    argv = advise_command(config, results, curves, sys.executable)
+    _measure("advise", argv, table, lines)
 
 
 def _fabric_line(config: dict, workdir: Path, results: Path) -> str:

@@ -24,6 +24,7 @@ from parabench.config import (
 from parabench import doctor, lock
 from parabench.config import measures, planned_specs
 from parabench.launch import (
+    advise_command,
     collectives_settings,
     launch_collectives_command,
     launch_command,

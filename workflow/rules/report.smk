@@ -11,6 +11,12 @@ rule report:
         steps=f"{RESULTS}/steps.csv",
         collectives=f"{RESULTS}/collectives.csv",
         plan=f"{RESULTS}/plan.csv" if config["plan"]["enabled"] else [],
+        advise=f"{RESULTS}/advise.csv" if config["advise"]["enabled"] else [],
+        torchtitan=(
+            f"{RESULTS}/advise-torchtitan.csv"
+            if config["advise"]["enabled"] and config["advise"]["torchtitan"]
+            else []
+        ),
         templates=sorted(str(p) for p in (REPO / "report").rglob("*") if p.is_file()),
     output:
         html=report(

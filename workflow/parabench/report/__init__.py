@@ -23,6 +23,7 @@ from parabench import equivalence, scaling
 from parabench.catalog import CATALOG, LABELS, STRATEGIES
 from parabench.fabric import PROFILES
 from parabench.published import torchtitan_check
+from parabench.report.advice import advice
 from parabench.report.answers import answers
 from parabench.report.figures import plots
 from parabench.report.loading import Results, row_anchor, rows
@@ -55,6 +56,8 @@ def build_context(r: Results, config: dict) -> dict:
         "at_scale": at_scale(r, config),
         "plan_wanted": bool((config.get("plan") or {}).get("enabled")),
         "torchtitan": torchtitan_check(PROFILES["h100-nvlink-ndr400"]),
+        "advice": advice(r.advise, r.torchtitan, s),
+        "advise_wanted": bool((config.get("advise") or {}).get("enabled")),
         # the curves at the largest message measured (64 MiB by default)
         "collectives_largest": rows(
             r.collectives[r.collectives["bytes"] == r.collectives["bytes"].max()]
@@ -146,6 +149,15 @@ def _filters(env: jinja2.Environment) -> None:
     env.filters["ms"] = lambda v: num(v * 1e3 if isinstance(v, int | float) else v, "{:.2f} ms")
     env.filters["mib"] = lambda v: num(v / 2**20 if isinstance(v, int | float) else v, "{:.0f} MiB")
     env.filters["sci"] = lambda v: num(v, "{:.1e}")
+    env.filters["gib"] = lambda v: num(
+        v / 2**30 if isinstance(v, int | float) else v, "{:,.1f} GiB"
+    )
+    # a step of any length: ms below a second, s above
+    env.filters["dur"] = lambda v: (
+        num(v, "{:.3g} s")
+        if isinstance(v, int | float) and v >= 1
+        else num(v * 1e3 if isinstance(v, int | float) else v, "{:.3g} ms")
+    )
     env.filters["anchor"] = row_anchor
     env.filters["comm"] = comm_words
 

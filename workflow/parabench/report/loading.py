@@ -18,6 +18,8 @@ class Results:
     steps: pd.DataFrame
     collectives: pd.DataFrame  # empty when no benchmark ran (no multi-rank cell)
     plan: pd.DataFrame  # empty when no plan ran (plan.enabled false)
+    advise: pd.DataFrame  # empty when advise did not run (advise.enabled false)
+    torchtitan: pd.DataFrame  # advise's check against torchtitan's runs, where it ran
 
     @classmethod
     def load(cls, results: Path) -> Results:
@@ -26,9 +28,11 @@ class Results:
             t["panel"] = panel_labels(t)
         path = results / "collectives.csv"
         curves = pd.read_csv(path) if path.exists() else pd.DataFrame()
-        planned = results / "plan.csv"
-        plan = pd.read_csv(planned) if planned.exists() else pd.DataFrame()
-        return cls(*tables, curves, plan)
+        extra = [
+            pd.read_csv(path) if (path := results / name).exists() else pd.DataFrame()
+            for name in ("plan.csv", "advise.csv", "advise-torchtitan.csv")
+        ]
+        return cls(*tables, curves, *extra)
 
 
 def panel_labels(df: pd.DataFrame) -> pd.Series:

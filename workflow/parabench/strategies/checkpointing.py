@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import threading
 
 import torch
 from torch import nn
@@ -78,6 +79,15 @@ def count(blocks: list[nn.Module]) -> int:
     return sum(hasattr(b, "_parabench_ac") for b in blocks)
 
 
+_replaying = threading.local()
+
+
+def recomputing() -> bool:
+    """Whether this thread is inside a checkpointed block's recompute (what advise's
+    op counter books apart: fakerank.py)."""
+    return getattr(_replaying, "depth", 0) > 0
+
+
 def _marked(forward):
     """`forward`, inside a RECOMPUTE region when backward replays it."""
 
@@ -87,8 +97,12 @@ def _marked(forward):
         # autograd's graph task would break the graph): recompute_s is then not measured.
         if torch.compiler.is_compiling() or torch._C._current_graph_task_id() == -1:
             return forward(*args, **kwargs)
-        with region(RECOMPUTE, traced=False):
-            return forward(*args, **kwargs)
+        _replaying.depth = getattr(_replaying, "depth", 0) + 1
+        try:
+            with region(RECOMPUTE, traced=False):
+                return forward(*args, **kwargs)
+        finally:
+            _replaying.depth -= 1
 
     return run
 

@@ -1,0 +1,345 @@
+"""`parabench advise`: one rank of a layout on fake tensors, checked against the real
+thing where the real thing runs here; the search and its table.
+
+- The memory tracker under fake tensors against a real allocation on this CPU (the
+  profiler's allocator events over the same step on real tensors), for a small model
+  under two layouts.
+- A deep stage measured at a few depths and extended, against the same stage measured
+  whole: memory, ops, FLOPs, collectives.
+- The bytes each mesh dimension sends, counted under fake tensors, against the bytes
+  derived from the model (test_layouts.derived, which real gloo ranks also meet).
+- The command: every column, every candidate accounted for, the recommendation fits.
+- torchtitan's published runs: structure, signs, orders of magnitude (the errors
+  themselves are the report's to state, not a test's to bound).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+
+import pandas as pd
+import pytest
+import torch
+from test_layouts import GPT, derived
+
+from conftest import REPO
+from parabench import advise, fakerank, gpus
+from parabench.fabric import PROFILES
+from parabench.records import ADVISE_COLUMNS, TORCHTITAN_COLUMNS
+from parabench.spec import ModelSpec
+
+HF = pytest.importorskip("transformers", reason="the Llama-shaped checks build transformers' llama")
+
+# A small Llama: every part of the real ones (GQA, SwiGLU, RMSNorm, untied head).
+LLAMA = ModelSpec.of(
+    "hf",
+    model_type="llama",
+    seq_len=64,
+    config={
+        "hidden_size": 128,
+        "intermediate_size": 256,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "num_hidden_layers": 4,
+        "vocab_size": 512,
+        "tie_word_embeddings": False,
+    },
+)
+FP32 = {"precision": "fp32", "optimizer": "adamw"}
+
+
+def _real_peak(spec: ModelSpec, shape: fakerank.Shape) -> int:
+    """The same rank's step on real tensors: what it holds before the step (its
+    parameters and optimizer state, from the tensors) plus the peak of the blocks the
+    step allocates, from the profiler's allocator events (profiling.cpu_alloc_peak)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from parabench.profiling import _chrome_events, cpu_alloc_peak
+
+    with fakerank.rank(spec, shape, fake=False) as r:
+        held = sum(fakerank.local_bytes(t) for t in (*r.module.parameters(), *_states(r.optimizer)))
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            fakerank.step(r)
+        return held + cpu_alloc_peak(_chrome_events(prof.export_chrome_trace))
+
+
+def _states(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [
+        fakerank.Shape(dp_shard=4, micro=4, **FP32),
+        fakerank.Shape(dp_shard=2, tp=2, micro=4, **FP32),
+    ],
+    ids=["fsdp4", "fsdp2xtp2"],
+)
+def test_the_tracker_on_fake_tensors_sees_what_a_real_step_allocates(shape):
+    """Within 10% of the allocator's own count on real tensors (the tracker counts
+    storages; the allocator, blocks): the fake step is the real step's memory."""
+    fake = fakerank.measure(LLAMA, shape).peak_bytes
+    real = _real_peak(LLAMA, shape)
+    assert fake == pytest.approx(real, rel=0.10), (fake, real)
+    # and not a trivially small model: the step's own allocations matter
+    assert real > 2 * fakerank.measure(LLAMA, shape).by_category.get("opt", 0)
+
+
+def _flat(comm: dict) -> dict:
+    return {(d, op, k): v for d, ops in comm.items() for op, e in ops.items() for k, v in e.items()}
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [
+        fakerank.Shape(dp_shard=4, ac="full", micro=2),
+        fakerank.Shape(dp_shard=2, tp=2, ac="selective", micro=4, reshard=False),
+        fakerank.Shape(dp_replicate=2, dp_shard=2, micro=2),
+    ],
+    ids=["fsdp-full", "fsdp-tp-selective-zero2", "hsdp"],
+)
+def test_a_deep_stage_measured_at_a_few_depths_is_the_stage_measured_whole(shape):
+    """Identical blocks hold and do the same: extended from a few depths to 9 blocks,
+    every figure is the one measured at 9 (the peak to 0.5%, the rest exactly); then a
+    second micro-batch of the same shape, measured at the depth the first settled at."""
+    spec = LLAMA
+    fakerank._SETTLED.clear()
+    for micro in (shape.micro, shape.micro * 2):
+        at = dataclasses.replace(shape, micro=micro)
+        ext = fakerank.at_blocks(spec, at, 9)
+        whole = fakerank.measure(spec, dataclasses.replace(at, blocks=9))
+        assert ext.peak_bytes == pytest.approx(whole.peak_bytes, rel=0.005)
+        assert ext.saved_bytes == pytest.approx(whole.saved_bytes, rel=0.005)
+        assert ext.work.flops() == pytest.approx(whole.work.flops(), rel=1e-9)
+        assert ext.work.op_count() == pytest.approx(whole.work.op_count())
+        assert ext.work.recompute_flops == pytest.approx(whole.work.recompute_flops)
+        assert _flat(ext.work.comm_by_dim) == pytest.approx(_flat(whole.work.comm_by_dim))
+    assert fakerank._SETTLED, "the first micro-batch's depth was kept for the second"
+
+
+@pytest.mark.parametrize(
+    "strategy, shape",
+    [
+        ("fsdp_tp", fakerank.Shape(dp_shard=2, tp=2, micro=4, **FP32)),
+        ("hsdp", fakerank.Shape(dp_replicate=2, dp_shard=2, micro=4, **FP32)),
+    ],
+)
+def test_bytes_per_mesh_dimension_on_fake_tensors_are_the_models(strategy, shape):
+    """No collective reaches a process group under fake tensors: the op counter counts
+    them, and gets what the model's shapes say each dimension sends (test_layouts'
+    derivation, which the real gloo ranks of those layouts also meet)."""
+    from parabench.models import build
+
+    spec = ModelSpec.of(**GPT)
+    counted = fakerank.measure(spec, shape).work.comm_by_dim
+    want = derived(build(spec, 0), strategy, shape.degrees, {"rank": 0})
+    assert set(counted) == set(want)
+    for dim, ops in want.items():
+        for op, v in ops.items():
+            assert counted[dim][op]["bytes"] == v["bytes"], (dim, op)
+            if "count" in v:
+                assert counted[dim][op]["count"] == v["count"], (dim, op)
+
+
+def test_recompute_is_counted_apart_and_checkpointing_trades_memory_for_it():
+    none = fakerank.measure(LLAMA, fakerank.Shape(dp_shard=2, micro=4))
+    full = fakerank.measure(LLAMA, fakerank.Shape(dp_shard=2, micro=4, ac="full"))
+    assert none.work.recompute_flops == 0 < full.work.recompute_flops
+    assert full.work.flops() == pytest.approx(none.work.flops() + full.work.recompute_flops)
+    assert full.saved_bytes < none.saved_bytes / 2
+
+
+CONFIG = {
+    "results": "results",
+    "device": "cpu",
+    "models": {
+        "llama": {
+            "arch": "hf",
+            "model_type": "llama",
+            "seq_len": 64,
+            "batch_size": 16,
+            "config": {**LLAMA.size_dict()["config"], "num_hidden_layers": 2},
+        }
+    },
+    "devices": [1],
+    "advise": {"enabled": True, "gpus": [4, 8], "gpus_per_node": 4, "gpu": "h100"},
+}
+
+
+@pytest.fixture(scope="module")
+def advised(tmp_path_factory):
+    work = tmp_path_factory.mktemp("advise")
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "parabench",
+            "advise",
+            "--config-json",
+            json.dumps(CONFIG),
+            "--workers",
+            "1",
+            "--out",
+            str(work),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=REPO,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return pd.read_csv(work / "advise.csv"), proc.stdout
+
+
+def test_advise_writes_every_column_and_accounts_for_every_candidate(advised):
+    table, out = advised
+    assert tuple(table.columns) == ADVISE_COLUMNS
+    assert set(table["status"]) <= {"ok", "inferred", "skipped"}, table[table["status"] == "failed"]
+    for n in (4, 8):
+        mine = table[table["gpus"] == n]
+        ok = mine[mine["status"].isin(["ok", "inferred"])]
+        # every layout of the mesh that applies: tp within a node and splitting the heads
+        # (4 heads, 2 key/value heads: tp 1 or 2), pp up to the 2 blocks
+        layouts = {(r.pp, r.dp_replicate * r.dp_shard, r.tp) for r in ok.itertuples()}
+        want = {(pp, n // (pp * tp), tp) for tp in (1, 2) for pp in (1, 2)}
+        assert layouts == want, layouts ^ want
+        assert (
+            mine["micro_batch"] * mine["accumulation"] * mine["dp_replicate"] * mine["dp_shard"]
+            == 32
+        )[ok.index].all()
+        assert set(ok["ac"]) == {"none", "selective", "full"}
+        assert ok[ok["status"] == "inferred"]["reason"].str.len().gt(0).all()
+        best = mine[mine["rank"] == 1]
+        assert len(best) == 1 and bool(best["fits"].iloc[0])
+        fits = mine[(mine["status"] == "ok") & (mine["fits"].astype(str) == "True")]
+        assert best["step_s"].iloc[0] == fits["step_s"].min()
+        measured = mine[mine["status"] == "ok"]
+        assert (measured["step_s"] >= measured["compute_s"]).all()
+        assert (measured["mfu"] > 0).all() and (measured["mfu"] < 1).all()
+        assert (measured["memory_bytes"] > measured["param_bytes"]).all()
+        # data parallelism: FSDP, DDP, and HSDP within the node of 4
+        assert {
+            (r.dp_replicate, r.dp_shard) for r in ok[(ok.tp == 1) & (ok.pp == 1)].itertuples()
+        } >= {
+            (1, n),
+            (n, 1),
+        }
+    assert "advise llama N=8" in out
+
+
+def test_a_config_advise_cannot_use_is_refused_naming_its_key(tmp_path):
+    bad = {**CONFIG, "advise": {**CONFIG["advise"], "gpu": "h1000"}}
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "parabench",
+            "advise",
+            "--config-json",
+            json.dumps(bad),
+            "--out",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+    )
+    assert proc.returncode == 2
+    assert "advise.gpu: 'h1000'" in proc.stderr and len(proc.stderr.splitlines()) == 1
+    assert not (tmp_path / "advise.csv").exists()
+
+
+def test_torchtitans_runs_are_predicted_to_their_order_of_magnitude():
+    """Llama 3.1 8B, 70B and 405B ranks on fake tensors at 8 to 512 GPUs: every table
+    predicted, in the published figure's order of magnitude (what is not modelled said
+    where the run used it)."""
+    rows = advise.check_torchtitan(gpus.PROFILES["h100-96gb-500w"], PROFILES["h100-nvlink-ndr400"])
+    assert [r["table"] for r in rows] == ["Table 1", "Table 3", "Table 4", "Table 5"]
+    assert set(TORCHTITAN_COLUMNS) >= set(rows[0])
+    for r in rows:
+        assert r["status"] == "ok", r
+        assert 1 / 3 < r["tokens_per_s_per_gpu"] / r["published_tokens_per_s_per_gpu"] < 3
+        assert 0.1 < r["predicted_memory_gib"] / r["published_memory_gib"] < 10
+        assert (r["table"] in ("Table 4", "Table 5")) == bool(r["not_modelled"])
+    t1, t3 = rows[0], rows[1]
+    # weak scaling from 8 to 128 GPUs: the same rank's work, more communication
+    assert t3["comm_s"] > t1["comm_s"] and t3["compute_s"] == pytest.approx(
+        t1["compute_s"], rel=0.05
+    )
+
+
+def test_the_ranking_check_sets_each_measured_layout_beside_its_prediction():
+    """The report's on-machine check: each layout the run measured at N, matched to the
+    advise row of the same degrees (no accumulation, no checkpointing), its error, and
+    how the two rank them (Spearman's rho by hand: 1 - 6 * sum(d^2) / (n (n^2 - 1)))."""
+    from parabench.report.advice import ranking
+
+    measured = {"ddp": 0.020, "fsdp": 0.060, "fsdp_tp": 0.070, "hsdp": 0.050}
+    summary = pd.DataFrame(
+        [
+            {
+                "model": "gpt",
+                "devices": 4,
+                "strategy": s,
+                "ac": "none",
+                "precision": "fp32",
+                "optimizer": "sgd",
+                "status": "ok",
+                "step_time_s": t,
+                "options": "{}",
+            }
+            for s, t in measured.items()
+        ]
+    )
+    layouts = {  # (dp_replicate, dp_shard, tp, zero) -> predicted step
+        (4, 1, 1, 0): 0.015,
+        (1, 4, 1, 3): 0.070,
+        (1, 2, 2, 3): 0.050,
+        (2, 2, 1, 3): 0.060,
+        (1, 4, 1, 2): 0.001,  # ZeRO-2: not what the fsdp cell ran
+    }
+    adv = pd.DataFrame(
+        [
+            {
+                "model": "gpt",
+                "gpus": 4,
+                "gpu": "this-machine",
+                "precision": "fp32",
+                "optimizer": "sgd",
+                "status": "ok",
+                "ac": "none",
+                "accumulation": 1,
+                "pp": 1,
+                "dp_replicate": r,
+                "dp_shard": d,
+                "tp": t,
+                "zero": z,
+                "layout": f"{r}x{d}x{t}",
+                "step_s": step,
+            }
+            for (r, d, t, z), step in layouts.items()
+        ]
+    )
+    (check,) = ranking(adv, summary)
+    got = {r["strategy"]: r for r in check["rows"]}
+    assert got["fsdp"]["predicted_s"] == 0.070 and got["fsdp_tp"]["predicted_s"] == 0.050
+    for s, t in measured.items():
+        assert got[s]["error"] == pytest.approx(got[s]["predicted_s"] / t - 1)
+    assert check["top1"] and check["predicted_best"] == check["measured_best"] == "ddp"
+    # predicted ranks ddp 1, fsdp 4, fsdp_tp 2, hsdp 3; measured 1, 3, 4, 2: sum d^2 = 6
+    assert check["spearman"] == pytest.approx(1 - 6 * 6 / (4 * 15))
+
+
+def test_the_shipped_advise_config_loads_and_its_models_plan_without_building():
+    from parabench import models
+    from parabench.config import advise_problems, load_config, model_spec
+
+    config = load_config(REPO / "config/advise.yaml")
+    assert advise_problems(config, REPO) == []
+    for entry in config["models"].values():
+        facts = models.facts(model_spec(entry))
+        assert not facts.problems and facts.has_tp_plan and facts.n_blocks >= 32

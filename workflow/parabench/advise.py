@@ -1,0 +1,690 @@
+"""`parabench advise`: which layout to run for a model on N GPUs, whether it fits, and
+how fast it would go, answered on a laptop.
+
+For each model and each N, every layout that applies is a candidate (`candidates`):
+
+- the factorisations of N into pp x dp_replicate x dp_shard x tp (catalog.MESH_DIMS,
+  torchtitan's order), with tp within a node and splitting the model's widths, pp no
+  more than its repeated blocks (and at most MAX_PP), and data parallelism as FSDP
+  (dp_shard), HSDP (a node's worth of shards, replicated across nodes) or DDP;
+- for a pipeline, its schedule (1F1B or GPipe); for FSDP, ZeRO-3 (reshard after
+  forward) or ZeRO-2 (keep the gathered parameters to backward; a pipeline always);
+- activation checkpointing none, selective or full;
+- the micro-batch and the accumulation (or a pipeline's micro-batches) that reach the
+  global batch.
+
+Each is then, and says which:
+
+- **measured, memory**: one rank of it under fake tensors (fakerank.py): its peak by
+  torch's memory tracker, in its dtypes, at a few depths extended to its stage's
+  blocks. A pipeline's first stage holds the activations of its micro-batches in
+  flight (1F1B: up to pp; GPipe: all), one micro-batch's measured, the rest added;
+- **counted**: its ops' FLOPs and bytes, its collectives' bytes per mesh dimension;
+- **predicted, time**: compute, each op at the GPU's roofline (gpus.py); communication
+  per mesh dimension at the fabric's time at its span (fabric.py, scaling.layout_comm),
+  none of it hidden, as the validated scaling model assumes (so an upper bound where
+  FSDP prefetches or DDP overlaps); a pipeline's bubble, (pp - 1)/m of its compute, as
+  scaling.bubble_time. Then tokens per second per GPU and MFU.
+
+The search (`search`) measures what decides and infers the rest, each inferred row
+naming the measurement that decided it. Measurements are shared across N (a rank's
+shape does not depend on N), and layouts are searched in worker processes side by side.
+
+results/advise.csv holds every candidate (columns: docs/results.md), the recommended
+one ranked 1: the fastest that fits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import math
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+from parabench.catalog import MESH_DIMS
+from parabench.fabric import Fabric
+from parabench.gpus import GPU
+from parabench.records import ADVISE_COLUMNS, write_rows
+from parabench.scaling import layout_comm
+from parabench.spec import ModelSpec
+
+MAX_PP = 16  # deeper pipelines need global batches beyond what training runs use
+MICRO_CAP = 16  # samples per micro-batch tried, at most
+# What the tracker does not see on a GPU, kept free: the caching allocator's reserve
+# over allocated (fragmentation), the CUDA context and NCCL's buffers.
+HEADROOM = 0.10
+AC_ORDER = ("none", "selective", "full")
+SCHEDULES = ("1f1b", "gpipe")
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    model: str
+    gpus: int
+    pp: int
+    dp_replicate: int
+    dp_shard: int
+    tp: int
+    ac: str
+    micro: int  # samples per micro-batch
+    accumulation: int  # micro-batches per step on a data-parallel rank
+    zero: int  # 3: FSDP resharding after forward, 2: not, 0: DDP or no data parallelism
+    schedule: str = ""  # a pipeline's
+
+    @property
+    def degrees(self) -> dict[str, int]:
+        return {d: getattr(self, d) for d in MESH_DIMS}
+
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def layout(self) -> str:
+        """As torchtitan's tables name a layout: FSDP 32 x TP 8, HSDP 4x8, DDP 64."""
+        parts = []
+        if self.dp_shard > 1 and self.dp_replicate > 1:
+            parts.append(f"HSDP {self.dp_replicate}x{self.dp_shard}")
+        elif self.dp_shard > 1:
+            parts.append(f"FSDP {self.dp_shard}")
+        elif self.dp_replicate > 1:
+            parts.append(f"DDP {self.dp_replicate}")
+        if self.tp > 1:
+            parts.append(f"TP {self.tp}")
+        if self.pp > 1:
+            parts.append(f"PP {self.pp}")
+        return " x ".join(parts) or "one GPU"
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _powers_of_two(n: int) -> list[int]:
+    return [d for d in _divisors(n) if d & (d - 1) == 0]
+
+
+def candidates(
+    name: str, facts, n: int, gpus_per_node: int, global_batch: int, depth: int | None
+) -> Iterator[Candidate | tuple[dict, str]]:
+    """Every candidate layout at n GPUs; a layout that cannot apply as (its degrees,
+    why) instead. A pipeline's stages each hold at least one of the model's `depth`
+    repeated blocks (None: a model whose stage advise cannot build, so no pipeline)."""
+    for tp in _divisors(min(n, gpus_per_node)):
+        if n % tp:
+            continue
+        if tp > 1 and (facts.tp_skip or not facts.has_tp_plan or facts.tp_problem(tp)):
+            continue  # the model cannot split that way: not a layout of it
+        for pp in _divisors(n // tp):
+            if pp > 1 and (not depth or facts.cut_skip or pp > depth or pp > MAX_PP):
+                continue
+            dp = n // (tp * pp)
+            deg = {"pp": pp, "tp": tp, "dp": dp}
+            if global_batch % dp:
+                yield (
+                    deg,
+                    f"the global batch of {global_batch} does not split over {dp} "
+                    "data-parallel ranks",
+                )
+                continue
+            local = global_batch // dp
+            in_node = max(1, gpus_per_node // tp)
+            modes = [(1, dp)] if dp > 1 else [(1, 1)]
+            if dp > 1:
+                modes.append((dp, 1))  # DDP
+                # HSDP: a node's worth of shards, replicated across nodes (torchtitan's
+                # use); within one node, half the ranks' worth
+                k = in_node if dp > in_node else dp // 2
+                if 1 < k < dp and dp % k == 0:
+                    modes.append((dp // k, k))
+            for rep, shard in modes:
+                zeros = [3, 2] if shard > 1 and pp == 1 else [2] if shard > 1 else [0]
+                for zero in zeros:
+                    for micro in reversed(_powers_of_two(local)):
+                        if micro > MICRO_CAP:
+                            continue
+                        for ac in AC_ORDER:
+                            for schedule in SCHEDULES if pp > 1 else ("",):
+                                yield Candidate(
+                                    name,
+                                    n,
+                                    pp,
+                                    rep,
+                                    shard,
+                                    tp,
+                                    ac,
+                                    micro,
+                                    local // micro,
+                                    zero,
+                                    schedule,
+                                )
+
+
+def _shape(c: Candidate, precision: str, optimizer: str):
+    from parabench.fakerank import Shape
+
+    return Shape(
+        tp=c.tp,
+        dp_shard=c.dp_shard,
+        dp_replicate=c.dp_replicate,
+        ac=c.ac,
+        micro=c.micro,
+        reshard=c.zero == 3,
+        precision=precision,
+        optimizer=optimizer,
+    )
+
+
+def stage_blocks(blocks: int, pp: int) -> int:
+    """The blocks of a pipeline's largest stage."""
+    return math.ceil(blocks / pp)
+
+
+def in_flight(c: Candidate) -> int:
+    """Micro-batches whose activations a pipeline's first stage holds at once: 1F1B
+    runs a backward as soon as the pipeline is full (pp of them), GPipe all forwards
+    first."""
+    if c.pp == 1:
+        return 1
+    return min(c.pp, c.accumulation) if c.schedule == "1f1b" else c.accumulation
+
+
+def predict(c: Candidate, m, gpu: GPU, fabric: Fabric, tokens_per_sample: int) -> dict:
+    """The step of candidate `c` from its rank's measurement `m` (fakerank.Measured)."""
+    from parabench.fakerank import ATTENTION, OPTIMIZER, STEP
+
+    def seconds(phase: str) -> float:
+        return sum(
+            n * gpu.op_time(flops, nbytes, kind == ATTENTION)
+            for (p, kind, flops, nbytes), n in m.work.ops.items()
+            if p == phase
+        )
+
+    a = c.accumulation
+    slicing = max(1.0, c.gpus / gpu.cores) if gpu.cores else 1.0  # ranks sharing cores
+    micro_s = seconds(STEP) * slicing
+    compute = a * micro_s + seconds(OPTIMIZER) * slicing
+    # Per micro-batch, as the rank measured, but a pipeline's schedule runs data
+    # parallelism's gather and gradient sync once per step (layout.py): only tp's
+    # collectives recur with every micro-batch there.
+    comm_dims = {
+        d: {
+            op: {k: v * (a if c.pp == 1 or d == "tp" else 1) for k, v in e.items()}
+            for op, e in ops.items()
+        }
+        for d, ops in m.work.comm_by_dim.items()
+    }
+    comm = layout_comm([comm_dims], fabric.time, c.degrees, a)
+    p2p = 0.0
+    if c.pp > 1:  # fill and drain wait on one transfer per boundary, each way
+        p2p = 2 * (c.pp - 1) * fabric.time("send", 2, m.boundary_bytes, c.tp * 2)
+    bubble = (c.pp - 1) * micro_s  # (pp - 1)/m of m micro-batches' compute
+    step = compute + comm + p2p + bubble
+    model_flops = a * (m.work.flops(STEP) - m.work.recompute_flops) + m.work.flops(OPTIMIZER)
+    samples = c.micro * a * c.dp
+    return {
+        "compute_s": compute,
+        # the recompute's matmul FLOPs at the matmul rate: its share of compute
+        "recompute_s": a * m.work.recompute_flops / gpu.achievable_flops * slicing,
+        "comm_s": comm + p2p,
+        "comm_by_dim": json.dumps(comm_dims, sort_keys=True),
+        "bubble_s": bubble,
+        "step_s": step,
+        "samples_per_s_per_gpu": samples / step / c.gpus,
+        "tokens_per_s_per_gpu": samples * tokens_per_sample / step / c.gpus
+        if tokens_per_sample
+        else math.nan,
+        "flops_per_gpu": a * m.work.flops(STEP) + m.work.flops(OPTIMIZER),
+        "mfu": model_flops / step / gpu.peak_flops,
+    }
+
+
+def binding(row: dict) -> str:
+    """What limits the candidate: memory (it does not fit), else the larger of exposed
+    communication and the bubble where it is a tenth of the step or more, else compute."""
+    if row.get("fits") is False:
+        return "memory"
+    comm, bubble, step = row.get("comm_s", 0), row.get("bubble_s", 0), row.get("step_s", 0)
+    if max(comm, bubble) < 0.1 * step:
+        return "compute"
+    return "exposed communication" if comm >= bubble else "bubble"
+
+
+class Search:
+    """Measures candidates (once per rank shape and depth, shared across N) and
+    predicts them."""
+
+    def __init__(
+        self,
+        specs: dict[str, ModelSpec],
+        gpu: GPU,
+        fabric: Fabric,
+        precision: str,
+        optimizer: str,
+        log: Callable[[str], None] = print,
+    ) -> None:
+        self.specs, self.gpu, self.fabric = specs, gpu, fabric
+        self.precision, self.optimizer, self.log = precision, optimizer, log
+        self.cache: dict = {}
+        self.measurements = 0
+
+    def for_family(self, cands: list[Candidate]) -> Search:
+        """A copy to send to a worker: the measurements of these candidates' shapes
+        only (a copy, so that sending it never meets the cache growing)."""
+        shapes = {(c.model, _shape(c, self.precision, self.optimizer)) for c in cands}
+        copy = Search(self.specs, self.gpu, self.fabric, self.precision, self.optimizer, self.log)
+        copy.cache = {k: v for k, v in self.cache.items() if k[:2] in shapes}
+        return copy
+
+    def measured(self, c: Candidate, blocks: int | None):
+        """The rank of `c` (its stage), measured or from the cache; an exception's text
+        where it failed."""
+        from parabench import fakerank
+
+        key = (c.model, _shape(c, self.precision, self.optimizer), blocks)
+        if key not in self.cache:
+            t0 = time.perf_counter()
+            try:
+                spec = self.specs[c.model]
+                shape = key[1]
+                self.cache[key] = (
+                    fakerank.at_blocks(spec, shape, blocks)
+                    if blocks
+                    else fakerank.measure(spec, shape)
+                )
+            except Exception as e:  # a row that says why, never a lost search
+                self.cache[key] = f"{type(e).__name__}: {e}"[:300]
+            self.measurements += 1
+            self.log(
+                f"  measured {c.layout} ac {c.ac} micro {c.micro}: {time.perf_counter() - t0:.1f} s"
+            )
+        return self.cache[key]
+
+    def row(self, c: Candidate, facts, global_batch: int, tokens: int) -> dict:
+        """One candidate's row: measured, predicted, whether it fits."""
+        from parabench import fakerank
+
+        blocks = fakerank.depth(self.specs[c.model])
+        stage = stage_blocks(blocks, c.pp) if blocks else None
+        row = self.base(c, global_batch, tokens)
+        m = self.measured(c, stage)
+        if isinstance(m, str):
+            return {**row, "status": "failed", "reason": m}
+        extra = (in_flight(c) - 1) * m.saved_bytes
+        peak = m.peak_bytes + extra
+        usable = self.gpu.memory_bytes * (1 - HEADROOM)
+        how = "measured"
+        if stage and stage > fakerank.FIRST_PROBE + 1:
+            how = f"measured at {fakerank.FIRST_PROBE}+ blocks, extended to {stage}"
+        if extra:
+            how += f"; {in_flight(c) - 1} more micro-batches' saved activations in flight added"
+        row.update(
+            status="ok",
+            memory_bytes=peak,
+            memory_source=how,
+            **{
+                f"{k}_bytes": m.by_category.get(k, 0)
+                for k in ("param", "grad", "opt", "act", "temp")
+            },
+            fits=peak <= usable,
+            **predict(c, m, self.gpu, self.fabric, tokens),
+        )
+        row["binding"] = binding(row)
+        return row
+
+    def base(self, c: Candidate, global_batch: int, tokens: int) -> dict:
+        return {
+            "model": c.model,
+            "gpus": c.gpus,
+            "gpu": self.gpu.name,
+            "fabric": self.fabric.name,
+            "precision": self.precision,
+            "optimizer": self.optimizer,
+            "global_batch": global_batch,
+            "tokens_per_sample": tokens,
+            "layout": c.layout,
+            **c.degrees,
+            "schedule": c.schedule,
+            "ac": c.ac,
+            "zero": c.zero,
+            "micro_batch": c.micro,
+            "accumulation": c.accumulation,
+            "device_memory_bytes": self.gpu.memory_bytes,
+        }
+
+
+def _family(c: Candidate) -> tuple:
+    """A layout with its ZeRO stage and schedule: what the micro-batch and checkpointing
+    search runs within."""
+    return (c.model, c.gpus, c.pp, c.dp_replicate, c.dp_shard, c.tp, c.zero, c.schedule)
+
+
+def _largest_fit(micros: list[int], fits: Callable[[int], bool]) -> int | None:
+    """The largest of the ascending `micros` that fits, by bisection: memory grows with
+    the micro-batch, so each probe halves what is left."""
+    lo, hi, best = 0, len(micros) - 1, None
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        if fits(micros[mid]):
+            best, lo = micros[mid], mid + 1
+        else:
+            hi = mid - 1
+    return best
+
+
+def _search_family(
+    search: Search, cands: list[Candidate], facts, global_batch: int, tokens: int
+) -> tuple[list[dict], bool]:
+    """One layout's rows (see `search`), and whether its lightest option fits."""
+    rows = []
+    by = {(c.ac, c.micro): c for c in cands}
+    micros = sorted({c.micro for c in cands})
+    done: dict[tuple[str, int], dict] = {}
+
+    def measured(ac: str, micro: int) -> bool:
+        if (ac, micro) not in done:
+            done[(ac, micro)] = search.row(by[(ac, micro)], facts, global_batch, tokens)
+        return bool(done[(ac, micro)].get("fits"))
+
+    best: dict[str, int | None] = {}
+    if measured("full", micros[0]):
+        floor = 0  # a lighter level's largest fit: below it, that level is faster
+        for ac in AC_ORDER:
+            above = [m for m in micros if m > floor]
+            best[ac] = _largest_fit(above, lambda m, ac=ac: measured(ac, m)) if above else None
+            floor = max(floor, best[ac] or 0)
+    for c in cands:
+        key = (c.ac, c.micro)
+        if key in done:
+            rows.append(done[key])
+            continue
+        row = {**search.base(c, global_batch, tokens), "status": "inferred"}
+        if not best:
+            row.update(
+                fits=False,
+                binding="memory",
+                reason=(
+                    f"does not fit: nor does micro-batch {micros[0]} with full "
+                    "checkpointing (measured)"
+                ),
+            )
+        elif best.get(c.ac) is not None and c.micro < best[c.ac]:
+            row.update(
+                fits=True, reason=f"fits, and micro-batch {best[c.ac]} fits too, with fewer passes"
+            )
+        elif lighter := [
+            a for a in AC_ORDER[: AC_ORDER.index(c.ac)] if (best.get(a) or 0) >= c.micro
+        ]:
+            row.update(
+                fits=True,
+                reason=f"fits: ac {lighter[0]} fits at this micro-batch, with less recompute",
+            )
+        else:
+            row.update(
+                fits=False,
+                binding="memory",
+                reason=(f"does not fit: a smaller micro-batch at ac {c.ac} does not (measured)"),
+            )
+        rows.append(row)
+    return rows, bool(best)
+
+
+def _family_job(search: Search, cands: list[Candidate], facts, global_batch: int, tokens: int):
+    """_search_family in a worker: its rows, and what it measured (for the cache)."""
+    before = set(search.cache)
+    rows, fits = _search_family(search, cands, facts, global_batch, tokens)
+    new = {k: v for k, v in search.cache.items() if k not in before}
+    return rows, fits, new
+
+
+def search(
+    search: Search,
+    name: str,
+    facts,
+    n: int,
+    gpus_per_node: int,
+    global_batch: int,
+    tokens: int,
+    depth: int | None,
+    pool=None,
+) -> list[dict]:
+    """Every candidate of model `name` at n GPUs, as rows, ranked (module docstring).
+
+    Within a layout (a family: its degrees, ZeRO stage and schedule), memory grows with
+    the micro-batch and shrinks with heavier checkpointing (none, selective, full). So:
+    its lightest option (micro-batch 1, full) is measured first, and where it does not
+    fit, nothing of the layout does; else, for each level, the largest micro-batch that
+    fits is found by bisection, above the largest a lighter level fits at (below it the
+    lighter level is faster: the same passes, less recompute). And across layouts of
+    the same degrees: ZeRO-3 FSDP holds no more than ZeRO-2, HSDP or DDP, so where its
+    lightest option does not fit, theirs are not measured. What is not measured is a
+    row that says which measurement decided it. `pool`: a process pool the layouts are
+    searched in, side by side."""
+    rows: list[dict] = []
+    families: dict[tuple, list[Candidate]] = {}
+    for c in candidates(name, facts, n, gpus_per_node, global_batch, depth):
+        if isinstance(c, tuple):
+            deg, why = c
+            layout = " x ".join(f"{k} {v}" for k, v in deg.items())
+            rows.append(
+                {"model": name, "gpus": n, "layout": layout, "status": "skipped", "reason": why}
+            )
+        else:
+            families.setdefault(_family(c), []).append(c)
+    groups: dict[tuple, list[tuple]] = {}  # (pp, tp, dp) -> families, lightest first
+    for fam in sorted(families, key=lambda f: (f[3] > 1, -f[6])):
+        groups.setdefault((fam[2], fam[5], fam[3] * fam[4]), []).append(fam)
+
+    def run(fams: list[tuple]) -> dict[tuple, tuple[list[dict], bool]]:
+        args = [(families[f], facts, global_batch, tokens) for f in fams]
+        if pool is None:
+            return {f: _search_family(search, *a) for f, a in zip(fams, args, strict=True)}
+        futures = {
+            f: pool.submit(_family_job, search.for_family(families[f]), *a)
+            for f, a in zip(fams, args, strict=True)
+        }
+        out = {}
+        for f, fut in futures.items():
+            got, fits, new = fut.result()
+            search.cache.update(new)
+            search.measurements += len(new)
+            out[f] = (got, fits)
+        return out
+
+    lightest = run([fams[0] for fams in groups.values()])
+    rest = [f for fams in groups.values() if lightest[fams[0]][1] for f in fams[1:]]
+    done = {**lightest, **run(rest)}
+    for fams in groups.values():
+        first = fams[0]
+        for fam in fams:
+            if fam in done:
+                rows += done[fam][0]
+                continue
+            c0 = families[first][0]
+            zero = {3: "ZeRO-3", 2: "ZeRO-2"}.get(c0.zero, "")
+            for c in families[fam]:
+                rows.append(
+                    {
+                        **search.base(c, global_batch, tokens),
+                        "status": "inferred",
+                        "fits": False,
+                        "binding": "memory",
+                        "reason": (
+                            f"does not fit: holds at least what {c0.layout} {zero} holds, "
+                            "which does "
+                            "not fit at micro-batch 1 with full checkpointing (measured)"
+                        ),
+                    }
+                )
+    ranked = sorted(
+        (r for r in rows if r.get("status") == "ok" and r.get("fits")), key=lambda r: r["step_s"]
+    )
+    for i, r in enumerate(ranked):
+        r["rank"] = i + 1
+    return rows
+
+
+def write(rows: list[dict], out: Path) -> Path:
+    path = out / "advise.csv"
+    write_rows(path, ADVISE_COLUMNS, rows)
+    return path
+
+
+def tokens_per_sample(spec: ModelSpec) -> int:
+    """A language model's sequence length (0: a model that reads no tokens)."""
+    return int(spec.size_dict().get("seq_len") or 0)
+
+
+def global_batch_of(adv: dict, entry: dict, tokens: int) -> tuple[int, str]:
+    """The global batch in samples, and why not where it cannot be had."""
+    if adv.get("global_tokens"):
+        if not tokens:
+            return 0, "advise.global_tokens: the model reads no tokens (give global_batch)"
+        if adv["global_tokens"] % tokens:
+            return (
+                0,
+                f"advise.global_tokens: {adv['global_tokens']} is not a whole number of "
+                f"{tokens}-token samples",
+            )
+        return adv["global_tokens"] // tokens, ""
+    return int(adv.get("global_batch") or entry["batch_size"]), ""
+
+
+def run(
+    config: dict,
+    gpu: GPU,
+    fabric: Fabric,
+    out: Path,
+    log: Callable[[str], None] = print,
+    workers: int = 1,
+) -> list[dict]:
+    """Advise on every model of the config's `advise` section at each of its GPU counts:
+    out/advise.csv, rewritten after each (model, N), so a crash loses none done before.
+    `workers`: processes the layouts are searched in."""
+    from parabench.config import model_spec
+
+    adv = config["advise"]
+    names = adv.get("models") or list(config["models"])
+    specs = {n: model_spec(config["models"][n]) for n in names}
+    searcher = Search(
+        specs, gpu, fabric, adv.get("precision", "bf16"), adv.get("optimizer", "adamw"), log
+    )
+    rows: list[dict] = []
+    with _pool(workers) as pool:
+        for name in names:
+            rows += _advise_model(searcher, config, name, pool, out, rows, log)
+    write(rows, out)
+    return rows
+
+
+@contextlib.contextmanager
+def _pool(workers: int):
+    """Processes the layouts are searched in (spawned: each measures on fake tensors
+    under its own fake process group), or None for this process alone."""
+    if workers < 2:
+        yield None
+        return
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+        yield pool
+
+
+def _advise_model(
+    search_: Search, config: dict, name: str, pool, out: Path, done: list[dict], log
+) -> list[dict]:
+    """Model `name`'s rows at each N (advise.csv rewritten after each)."""
+    from parabench import fakerank, models
+
+    adv = config["advise"]
+    spec, entry = search_.specs[name], config["models"][name]
+    facts = models.facts(spec)
+    tokens = tokens_per_sample(spec)
+    batch, why = global_batch_of(adv, entry, tokens)
+    rows: list[dict] = []
+    for n in adv["gpus"]:
+        t0, before = time.perf_counter(), search_.measurements
+        if why or facts.problems:
+            rows.append(
+                {
+                    "model": name,
+                    "gpus": n,
+                    "status": "failed",
+                    "reason": why or "; ".join(facts.problems),
+                }
+            )
+            continue
+        depth = fakerank.depth(spec)
+        found = search(
+            search_, name, facts, n, adv.get("gpus_per_node", 8), batch, tokens, depth, pool
+        )
+        params = fakerank.parameters(spec)
+        rows += [{**r, "params": params} for r in found]
+        write(done + rows, out)
+        best = [r for r in found if r.get("rank") == 1]
+        log(
+            f"advise {name} N={n}: {search_.measurements - before} measured "
+            f"[{time.perf_counter() - t0:.1f} s]; "
+            + (
+                f"best {best[0]['layout']} ac {best[0]['ac']} micro {best[0]['micro_batch']}: "
+                f"{best[0]['step_s']:.3g} s/step"
+                if best
+                else "nothing fits"
+            )
+        )
+    return rows
+
+
+def check_torchtitan(gpu: GPU, fabric: Fabric, log: Callable[[str], None] = print) -> list[dict]:
+    """Each of torchtitan's published runs (published.TORCHTITAN_TABLES), its layout
+    measured and predicted as advise does any candidate, beside what it reported."""
+    from parabench import fakerank, models
+    from parabench.config import model_spec
+    from parabench.published import TORCHTITAN_SOURCE, TORCHTITAN_TABLES, llama3_model
+
+    specs = {t["model"]: model_spec(llama3_model(t["model"])) for t in TORCHTITAN_TABLES}
+    searcher = Search(specs, gpu, fabric, "bf16", "adamw", log)
+    rows = []
+    for t in TORCHTITAN_TABLES:
+        spec = specs[t["model"]]
+        c = Candidate(
+            t["model"],
+            t["gpus"],
+            t["pp"],
+            1,
+            t["dp_shard"],
+            t["tp"],
+            t["ac"],
+            t["micro"],
+            t["accumulation"],
+            t["zero"],
+            t["schedule"],
+        )
+        tokens = tokens_per_sample(spec)
+        row = searcher.row(c, models.facts(spec), c.micro * c.accumulation * c.dp, tokens)
+        predicted_gib = row.get("memory_bytes", math.nan) / 2**30
+        rows.append(
+            {
+                **row,
+                "params": fakerank.parameters(spec),
+                "table": t["table"],
+                "source": TORCHTITAN_SOURCE,
+                "published_tokens_per_s_per_gpu": t["tokens_per_s_per_gpu"],
+                "tps_error": row.get("tokens_per_s_per_gpu", math.nan) / t["tokens_per_s_per_gpu"]
+                - 1,
+                "published_memory_gib": t["memory_gib"],
+                "predicted_memory_gib": predicted_gib,
+                "memory_error": predicted_gib / t["memory_gib"] - 1,
+                "not_modelled": t["not_modelled"],
+            }
+        )
+        log(
+            f"torchtitan {t['table']}: {row.get('tokens_per_s_per_gpu', math.nan):,.0f} "
+            f"tokens/s/GPU against {t['tokens_per_s_per_gpu']:,.0f}; {predicted_gib:.1f} GiB "
+            f"against {t['memory_gib']}"
+        )
+    return rows

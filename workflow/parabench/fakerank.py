@@ -1,0 +1,705 @@
+"""One rank of a layout at any world size, on fake tensors: what `parabench advise`
+measures, on a laptop, of a run that would need a cluster.
+
+The model is built on the meta device and parallelized there, outside fake mode, as
+a cell parallelizes it (tensor parallel over tp, activation checkpointing, FSDP2 over
+dp_shard, HSDP over both data dimensions, or FSDP2's `replicate` for DDP), over torch's
+`fake` process group at the layout's world size. Then, inside FakeTensorMode, its
+storage is made (fake: nothing is allocated) and one training step runs: forward,
+backward, optimizer. Measured on that step:
+
+- memory, by torch's own tracker (`_tools.mem_tracker.MemTracker`): this rank's peak
+  and what it holds at that peak by category (parameters, gradients, optimizer state,
+  activations, temporaries), in the dtypes the step really uses. The optimizer's state
+  is made before the step (its first step, on zero gradients), so the step holds it as
+  every later step does;
+- work, by a dispatch mode below the model: every op's FLOPs (torch's own formulas,
+  on each DTensor's local shard: what this rank multiplies) and the bytes it reads and
+  writes, what the GPU's roofline prices (advise.py); the FLOPs a checkpointed block's
+  recompute adds, apart;
+- communication, by the same mode: every collective this rank issues (under fake
+  tensors none reaches a process group: torch's Meta kernels answer them), by the mesh
+  dimension of its group, in the anatomy's units (calls, and bytes as nccl-tests sizes
+  them: the gathered output, the input to reduce).
+
+Why not a real step: a 70B model's rank holds tens of GiB; under fake tensors a step
+of one block takes about a second and allocates nothing. Why not a formula: the
+tracker sees what the code holds (FSDP's unsharded copies, autocast's casts, the loss's
+fp32 logits), which is where formulas go wrong.
+
+A stage of k blocks is measured at a few depths and extended linearly to its real depth
+(`at_blocks`, `extended`): identical blocks hold and do the same, which
+tests/test_advise.py checks against a measurement at full depth.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import functools
+import itertools
+import time
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from parabench import envinfo, gpus
+from parabench.catalog import MESH_DIMS
+from parabench.gpus import GPU
+from parabench.models import build
+from parabench.models.base import Model, fake_mode, quiet_fake
+from parabench.ops import BY_C10D
+from parabench.runtime import NamedMesh
+from parabench.spec import ModelSpec
+from parabench.strategies import checkpointing
+
+AC_LEVELS = ("none", "selective", "full")
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    """What one rank's memory and work depend on (the pipeline degree does not: a stage
+    is measured as a model of its blocks)."""
+
+    tp: int = 1
+    dp_shard: int = 1
+    dp_replicate: int = 1
+    ac: str = "none"
+    micro: int = 1  # samples per micro-batch
+    reshard: bool = True  # FSDP: free the gathered parameters after forward (ZeRO-3)
+    blocks: int = 0  # repeated blocks in the stage; 0: the model's own depth
+    precision: str = "bf16"
+    optimizer: str = "adamw"
+
+    @property
+    def world(self) -> int:
+        return self.tp * self.dp_shard * self.dp_replicate
+
+    @property
+    def degrees(self) -> dict[str, int]:
+        return {
+            "pp": 1,
+            "dp_replicate": self.dp_replicate,
+            "dp_shard": self.dp_shard,
+            "tp": self.tp,
+        }
+
+
+# --- the model at a depth -------------------------------------------------------------
+
+# Where each architecture keeps its number of repeated blocks.
+_DEPTH_KEYS = {"gpt": "n_layer", "resmlp": "depth"}
+
+
+def depth(spec: ModelSpec) -> int | None:
+    """The model's number of repeated blocks, where its config says it (None: a model
+    whose depth parabench cannot set, measured whole)."""
+    sizes = spec.size_dict()
+    if spec.arch == "hf":
+        from parabench.models.hf import _config, _layers
+
+        return _layers(_config(spec)) or None
+    from parabench.models.facts import DEFAULTS
+
+    key = _DEPTH_KEYS.get(spec.arch)
+    if key is None:
+        return None
+    return int(sizes.get(key, DEFAULTS.get(spec.arch, {}).get(key, 0))) or None
+
+
+def at_depth(spec: ModelSpec, blocks: int) -> ModelSpec:
+    """The same model with `blocks` repeated blocks."""
+    sizes = spec.size_dict()
+    if spec.arch == "hf":
+        cfg = dict(sizes.get("config") or {})
+        cfg["num_hidden_layers"] = blocks
+        return ModelSpec.of("hf", **{**sizes, "config": cfg})
+    return ModelSpec.of(spec.arch, **{**sizes, _DEPTH_KEYS[spec.arch]: blocks})
+
+
+def parameters(spec: ModelSpec) -> int:
+    """The model's parameters, counted on the meta device (nothing allocated)."""
+    with torch.device("meta"):
+        model = build(spec, 0)
+    return sum(p.numel() for p in model.module.parameters())
+
+
+# --- counting ---------------------------------------------------------------------------
+
+
+def _local(x):
+    from torch.distributed.tensor import DTensor
+
+    return x._local_tensor if isinstance(x, DTensor) else x
+
+
+def _tensors(tree) -> list[torch.Tensor]:
+    from torch.utils._pytree import tree_leaves
+
+    return [t for t in tree_leaves(tree) if isinstance(t, torch.Tensor)]
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+@functools.cache
+def _flop_formulas() -> dict:
+    """torch's FLOP formulas, with the CPU attention kernel's (torch has none for it)
+    and causal attention at half its square: flash kernels skip the masked half."""
+    from torch.utils import flop_counter as fc
+
+    formulas = dict(fc.flop_registry)
+    aten = torch.ops.aten
+
+    def causal(args, kwargs, count):
+        is_causal = kwargs.get("is_causal", args[4] if len(args) > 4 else False)
+        return count // 2 if is_causal else count
+
+    def cpu_fwd(q, k, v, *args, out_val=None, **kwargs):
+        return causal((q, k, v, *args), kwargs, fc.sdpa_flop_count(q.shape, k.shape, v.shape))
+
+    def cpu_bwd(grad, q, k, v, out, lse, *args, out_val=None, **kwargs):
+        count = fc.sdpa_backward_flop_count(grad.shape, q.shape, k.shape, v.shape)
+        dropout = args[0] if args else kwargs.get("dropout_p", 0.0)
+        is_causal = args[1] if len(args) > 1 else kwargs.get("is_causal", False)
+        del dropout
+        return count // 2 if is_causal else count
+
+    for name, formula in (
+        ("_scaled_dot_product_flash_attention_for_cpu", cpu_fwd),
+        ("_scaled_dot_product_flash_attention_for_cpu_backward", cpu_bwd),
+    ):
+        if (op := getattr(aten, name, None)) is not None:
+            formulas[op] = formula
+    # the GPU kernels: their causal flag halves the count as above
+    for name, at in (
+        ("_scaled_dot_product_flash_attention", 4),
+        ("_scaled_dot_product_efficient_attention", 5),
+        ("_scaled_dot_product_cudnn_attention", 5),
+    ):
+        if (op := getattr(aten, name, None)) is not None and op in formulas:
+            base = formulas[op]
+            formulas[op] = _halved(base, at)
+    return formulas
+
+
+def _halved(base, at: int):
+    def formula(*args, out_val=None, **kwargs):
+        n = base(*args, out_val=out_val, **kwargs)
+        is_causal = kwargs.get("is_causal", args[at] if len(args) > at else False)
+        return n // 2 if is_causal else n
+
+    return formula
+
+
+ATTENTION = "attention"
+MATMUL = "matmul"
+MEMORY = "memory"
+
+
+Op = tuple[str, str, int, int]  # phase (STEP or OPTIMIZER), kind, FLOPs, bytes moved
+STEP, OPTIMIZER = "step", "optimizer"  # a micro-batch's forward and backward; the update
+
+
+@dataclasses.dataclass
+class Work:
+    """What a step does on one rank: its ops, each with its FLOPs and bytes (so that a
+    roofline prices each at its own bound), counted; its collectives by mesh dimension."""
+
+    ops: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    recompute_flops: float = 0
+    comm_by_dim: dict[str, dict[str, dict[str, float]]] = dataclasses.field(default_factory=dict)
+
+    def flops(self, phase: str | None = None) -> float:
+        return sum(f * n for (p, _, f, _), n in self.ops.items() if phase in (None, p))
+
+    def op_count(self, phase: str | None = None) -> float:
+        return sum(n for (p, *_), n in self.ops.items() if phase in (None, p))
+
+
+class Counting(TorchDispatchMode):
+    """Every op of a step, as one rank runs it (see the module's docstring)."""
+
+    def __init__(self, dims: dict[str, str]) -> None:
+        super().__init__()
+        self.work = Work()
+        self.dims = dims  # process group -> mesh dimension name
+        self.phase = STEP
+        self.formulas = _flop_formulas()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        name = func._schema.name
+        if name.startswith(("c10d::", "_c10d_functional")):
+            self._collective(func, name, args, kwargs, out)
+            return out
+        if func.is_view or name in _FREE or name.startswith("prim::") or not _tensors(out):
+            return out  # no data moved: aliases, metadata, allocation without a fill
+        local_args = [_local(a) if isinstance(a, torch.Tensor) else a for a in args]
+        packet = func._overloadpacket
+        formula = self.formulas.get(func) or self.formulas.get(packet)
+        moved = sum(_nbytes(_local(t)) for t in _tensors((args, kwargs, out)))
+        if formula is None:
+            self.work.ops[(self.phase, MEMORY, 0, moved)] += 1
+            return out
+        local_kwargs = {
+            k: _local(v) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()
+        }
+        local_out = out if not isinstance(out, torch.Tensor) else _local(out)
+        flops = int(formula(*local_args, out_val=local_out, **local_kwargs))
+        kind = ATTENTION if "attention" in name else MATMUL
+        self.work.ops[(self.phase, kind, flops, moved)] += 1
+        if checkpointing.recomputing():
+            self.work.recompute_flops += flops
+        return out
+
+    def _collective(self, func, name, args, kwargs, out) -> None:
+        from torch.distributed._tools.fake_collectives import CollectiveOp, collective_ops
+
+        op = BY_C10D.get(name)
+        if op is None or func not in collective_ops:
+            return  # wait_tensor, barriers: no bytes
+        group = CollectiveOp.get_process_group(func, args)
+        dim = self.dims.get(group.group_name, "world")
+        nbytes = CollectiveOp.get_comm_tensor_size(func, out, args, kwargs)
+        entry = self.work.comm_by_dim.setdefault(dim, {}).setdefault(
+            op.name, {"count": 0.0, "bytes": 0.0}
+        )
+        entry["count"] += 1
+        entry["bytes"] += nbytes
+
+
+# Ops that move no data (allocation without a fill, metadata).
+_FREE = frozenset(
+    {
+        "aten::empty",
+        "aten::empty_like",
+        "aten::empty_strided",
+        "aten::new_empty",
+        "aten::new_empty_strided",
+        "aten::detach",
+        "aten::lift_fresh",
+        "aten::_local_scalar_dense",
+        "aten::_unsafe_view",
+        "aten::set_",
+        "aten::resize_",
+        "aten::record_stream",
+    }
+)
+
+
+# --- one measurement -------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Measured:
+    """One rank's step at a shape and depth (see the module's docstring)."""
+
+    peak_bytes: int
+    by_category: dict[str, int]  # at the peak: parameters, gradients, ...
+    work: Work
+    boundary_bytes: int  # one micro-batch's activations leaving the last block
+    blocks: int
+    saved_bytes: int = 0  # activations saved for backward when the forward ends
+
+
+@contextlib.contextmanager
+def _fake_world(size: int) -> Iterator[None]:
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise RuntimeError("fakerank: a process group is already initialised here")
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+        from parabench.ranks import _forget_meshes
+
+        _forget_meshes()
+
+
+_BUILT = itertools.count()
+
+
+def _mesh(shape: Shape) -> NamedMesh | None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    deg = shape.degrees
+    dims = tuple(d for d in MESH_DIMS if deg[d] > 1)
+    if not dims:
+        return None
+    # Named apart from every earlier measurement's: DeviceMesh compares equal by shape
+    # and names, and torch's caches (DTensor's plans, a mesh's flattened groups) would
+    # hand this one the groups of a world destroyed since (ranks.py's _BUILT, alike).
+    tag = f"_{next(_BUILT)}"
+    mesh = init_device_mesh(
+        "cpu", tuple(deg[d] for d in dims), mesh_dim_names=tuple(d + tag for d in dims)
+    )
+    return NamedMesh(mesh, deg, tag)
+
+
+def _parallelize(model: Model, shape: Shape, mesh: NamedMesh | None) -> None:
+    """The layout on the model, in torchtitan's order (strategies/layout.py): tensor
+    parallel, activation checkpointing, then data parallelism. With bf16, FSDP2's mixed
+    precision as torchtitan's default (bf16 parameters in compute, fp32 gradient
+    reduction, fp32 shards the optimizer steps); without FSDP, autocast at the step."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from parabench.strategies.layout import apply_tp
+
+    if shape.tp > 1:
+        apply_tp(model.module, mesh, model.tp_plan)
+    checkpointing.apply(model.blocks(), shape.ac)
+    if shape.dp_shard == 1 and shape.dp_replicate == 1:
+        return
+    mp = MixedPrecisionPolicy()
+    if shape.precision == "bf16":
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    if shape.dp_shard > 1:
+        dims = ("dp_replicate", "dp_shard") if shape.dp_replicate > 1 else ("dp_shard",)
+        dp = mesh.get(*dims)
+        for block in model.blocks():
+            fully_shard(block, mesh=dp, reshard_after_forward=shape.reshard, mp_policy=mp)
+        fully_shard(model.module, mesh=dp, reshard_after_forward=shape.reshard, mp_policy=mp)
+        return
+    from torch.distributed._composable.replicate_with_fsdp import replicate
+
+    # DDP as FSDP2's replicate: the C++ reducer of nn.parallel's DDP runs outside the
+    # dispatcher, where no fake tensor reaches it.
+    replicate(model.module, mesh=mesh.get("dp_replicate"), mp_policy=mp)
+
+
+def _optimizer(module: nn.Module, shape: Shape) -> torch.optim.Optimizer:
+    params = [p for p in module.parameters() if p.requires_grad]
+    # foreach=False: under fake tensors, foreach over DTensors reports transient
+    # global-size buffers (docs/design/advise.md); the per-parameter loop's are exact.
+    if shape.optimizer == "adamw":
+        return torch.optim.AdamW(params, lr=1e-4, foreach=False)
+    return torch.optim.SGD(params, lr=1e-4, foreach=False)
+
+
+@dataclasses.dataclass
+class Rank:
+    """One rank of a layout, built and ready to step (`rank`)."""
+
+    model: Model
+    optimizer: torch.optim.Optimizer
+    batch: tuple[torch.Tensor, torch.Tensor]
+    shape: Shape
+    dims: dict[str, str]  # process group name -> its mesh dimension
+    boundary: list[int]  # set by the last block's forward: bytes leaving it
+
+    @property
+    def module(self) -> nn.Module:
+        return self.model.module
+
+
+@contextlib.contextmanager
+def rank(spec: ModelSpec, shape: Shape, fake: bool = True) -> Iterator[Rank]:
+    """Rank 0 of `shape`'s layout over torch's fake process group at its world size:
+    built on the meta device, parallelized there, then given storage: fake (nothing
+    allocated) or, `fake` False, real (tests/test_advise.py checks one against the
+    other). The optimizer's state is made, as every step after the first holds it."""
+    if shape.blocks:
+        spec = at_depth(spec, shape.blocks)
+    with _fake_world(shape.world), quiet_fake():
+        mesh = _mesh(shape)
+        with torch.device("meta"):
+            model = build(spec, 0)
+        model.module.train()
+        _parallelize(model, shape, mesh)
+        dims = {g.group_name: d for d, g in mesh.groups().items()} if mesh else {}
+        boundary = [0]
+        if blocks := model.blocks():
+            blocks[-1].register_forward_hook(
+                lambda m, a, out: boundary.__setitem__(
+                    0, sum(_nbytes(_local(t)) for t in _tensors(out))
+                )
+            )
+        with fake_mode() if fake else contextlib.nullcontext():
+            model.module.to_empty(device="cpu")
+            opt = _optimizer(model.module, shape)
+            for p in model.module.parameters():
+                p.grad = torch.zeros_like(p)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            batch = model.batch(shape.micro, torch.Generator().manual_seed(0))
+            yield Rank(model, opt, batch, shape, dims, boundary)
+
+
+def step(r: Rank, counting: Counting | None = None) -> None:
+    """One training step of the rank: forward, backward, optimizer (the optimizer's ops
+    booked as its own phase where `counting`)."""
+    shape = r.shape
+    # FSDP2's mixed precision casts the parameters; with nothing sharded, autocast
+    autocast = (
+        torch.autocast("cpu", dtype=torch.bfloat16)
+        if shape.precision == "bf16" and shape.dp_shard == shape.dp_replicate == 1
+        else contextlib.nullcontext()
+    )
+    x, y = r.batch
+    with autocast:
+        out = r.module(x)
+    r.model.loss_fn(out, y).backward()
+    if counting is not None:
+        counting.phase = OPTIMIZER
+    r.optimizer.step()
+    r.optimizer.zero_grad(set_to_none=True)
+
+
+def local_bytes(t: torch.Tensor) -> int:
+    """A tensor's bytes on this rank (a DTensor's local shard)."""
+    return _nbytes(_local(t))
+
+
+@functools.cache
+def _tracker_class() -> type:
+    from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker
+
+    class PeakTracker(MemTracker):
+        """torch's MemTracker keeping its step-wide peak only: its per-module peaks,
+        which advise reads none of, cost a pass over every module after every op (a
+        third of a fake step). Its snapshots at each module's end of forward stay."""
+
+        def _update_peak_stats(self, peak_state) -> None:
+            for dev, snap in self._curr_mem_snap.items():
+                if self._peak_mem.get(dev, 0) < snap[_TOTAL_KEY]:
+                    self._peak_mem[dev] = snap[_TOTAL_KEY]
+                    self._peak_mem_snap[dev] = dict(snap)
+
+    return PeakTracker
+
+
+def measure(spec: ModelSpec, shape: Shape) -> Measured:
+    """One rank's step at `shape` (and `shape.blocks` blocks, where set) under fake
+    tensors: its peak memory by category, its work and its collectives."""
+    with rank(spec, shape) as r:
+        tracker = _tracker_class()()
+        tracker.track_external(r.module, r.optimizer)
+        counting = Counting(r.dims)
+        with tracker, counting:
+            step(r, counting)
+        peak = tracker.get_tracker_snapshot("peak")
+    at = next(iter(peak.values())) if peak else {}
+    by = {str(getattr(k, "name", k)).lower(): int(v) for k, v in at.items() if k != "Total"}
+    return Measured(
+        int(at.get("Total", 0)),
+        by,
+        counting.work,
+        r.boundary[0],
+        len(r.model.blocks()),
+        _saved(tracker),
+    )
+
+
+def _saved(tracker) -> int:
+    """Activations saved for backward at the end of the forward: the largest of the
+    tracked modules' (the outermost one's), what each micro-batch a pipeline's stage
+    holds in flight adds (as ranks.saved_activations reads it)."""
+    from torch.distributed._tools.mem_tracker import _MemRefType, _ModState
+
+    return max(
+        (
+            snap.get(_MemRefType.ACT, 0)
+            for state in tracker.memory_tracking.values()
+            if hasattr(state, "snapshots")
+            for taken in state.snapshots.get(_ModState.POST_FW, [])
+            for snap in taken.values()
+        ),
+        default=0,
+    )
+
+
+def extended(low: Measured, high: Measured, blocks: int) -> Measured:
+    """`blocks` blocks, from measurements at two depths: each further block adds what
+    one block added between them (memory, ops, collectives), so every figure is
+    low + (high - low) x (blocks - low's) / (high's - low's)."""
+    k = (blocks - low.blocks) / (high.blocks - low.blocks)
+
+    def line(a: float, b: float) -> float:
+        return a + (b - a) * k
+
+    ops = collections.Counter()
+    for op in set(low.work.ops) | set(high.work.ops):
+        if n := line(low.work.ops.get(op, 0), high.work.ops.get(op, 0)):
+            ops[op] = n
+    comm = {}
+    for dim in set(low.work.comm_by_dim) | set(high.work.comm_by_dim):
+        lo, hi = low.work.comm_by_dim.get(dim, {}), high.work.comm_by_dim.get(dim, {})
+        comm[dim] = {
+            op: {
+                f: line(lo.get(op, {}).get(f, 0.0), hi.get(op, {}).get(f, 0.0))
+                for f in ("count", "bytes")
+            }
+            for op in set(lo) | set(hi)
+        }
+    cats = set(low.by_category) | set(high.by_category)
+    by = {c: int(line(low.by_category.get(c, 0), high.by_category.get(c, 0))) for c in cats}
+    work = Work(ops, line(low.work.recompute_flops, high.work.recompute_flops), comm)
+    return Measured(
+        int(line(low.peak_bytes, high.peak_bytes)),
+        by,
+        work,
+        high.boundary_bytes,
+        blocks,
+        int(line(low.saved_bytes, high.saved_bytes)),
+    )
+
+
+# The first depth a stage is measured at: below it the step's peak falls elsewhere (at
+# one block, where the loss's buffers meet the first blocks' FSDP copies).
+FIRST_PROBE = 3
+# Two successive blocks adding the same to the peak, within this, settle the slope.
+SETTLED = 0.01
+
+
+# The depth from which a rank's blocks each added the same, by its shape less its
+# micro-batch: a micro-batch scales the activations and the loss's buffers alike, so a
+# shape's other micro-batches settle there too (tests/test_advise.py), and are measured
+# at that depth and the next only.
+_SETTLED: dict[tuple, int] = {}
+
+
+def at_blocks(spec: ModelSpec, shape: Shape, blocks: int) -> Measured:
+    """The rank of `shape` with `blocks` repeated blocks: measured at successive depths
+    from FIRST_PROBE until two successive blocks add the same to the peak (the peak has
+    settled in the phase of the step that grows with depth: tests/test_advise.py), then
+    extended from the last two; measured at `blocks` itself where the search gets there
+    first, or where the model's depth cannot be set."""
+    if depth(spec) is None:
+        return measure(spec, dataclasses.replace(shape, blocks=0))
+    if blocks <= FIRST_PROBE + 1:
+        return measure(spec, dataclasses.replace(shape, blocks=blocks))
+    key = (spec, dataclasses.replace(shape, micro=0, blocks=0))
+    if (k := _SETTLED.get(key)) and k + 1 < blocks:
+        low, high = (measure(spec, dataclasses.replace(shape, blocks=b)) for b in (k, k + 1))
+        return extended(low, high, blocks)
+    probes = [
+        measure(spec, dataclasses.replace(shape, blocks=k)) for k in (FIRST_PROBE, FIRST_PROBE + 1)
+    ]
+    while True:
+        k = probes[-1].blocks + 1
+        if k >= blocks:
+            return measure(spec, dataclasses.replace(shape, blocks=blocks))
+        probes.append(measure(spec, dataclasses.replace(shape, blocks=k)))
+        a, b, c = (p.peak_bytes for p in probes[-3:])
+        if abs((c - b) - (b - a)) <= SETTLED * max(abs(c - b), 1):
+            _SETTLED[key] = probes[-3].blocks
+            return extended(probes[-2], probes[-1], blocks)
+
+
+# --- this host, as a device ---------------------------------------------------------
+
+
+def this_machine(size: int = 512) -> GPU:
+    """This host as a device: its GPU where it has one (`_this_gpu`), else its CPU: a
+    GEMM's rate on one thread, a copy's bandwidth, and the time an op takes through
+    torch's dispatcher (what small ops cost here), each the best of several runs."""
+    if torch.cuda.is_available():
+        return _this_gpu()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+
+        def best(fn, runs: int = 7) -> float:
+            fn()
+            times = []
+            for _ in range(runs):
+                t0 = time.perf_counter()
+                fn()
+                times.append(time.perf_counter() - t0)
+            return min(times)
+
+        a, b = torch.randn(size, size), torch.randn(size, size)
+        gemm = 2 * size**3 / best(lambda: a @ b)
+        x = torch.randn(64 * 2**20 // 4)  # 64 MiB: past the caches
+        y = torch.empty_like(x)
+        copy = 2 * x.numel() * 4 / best(lambda: y.copy_(x))
+        floor = _op_cost(best)
+    finally:
+        torch.set_num_threads(threads)
+    cores = envinfo.usable_cores()
+    return GPU(
+        gpus.THIS_MACHINE,
+        gemm,
+        gemm,
+        float(envinfo.available_memory() or 0),
+        copy,
+        f"this host's CPU, measured on one thread: fp32 GEMM {size}x{size}x{size} "
+        f"{gemm / 1e9:.1f} GFLOP/s, copy {copy / 1e9:.1f} GB/s, {floor * 1e6:.1f} us per "
+        f"op of a small model's training step (autograd and the optimizer included); "
+        f"{cores} cores shared by the ranks",
+        op_floor_s=floor,
+        cores=cores,
+    )
+
+
+def _op_cost(best) -> float:
+    """Seconds per op of a small model's whole training step on this host: its time
+    over its ops (counted as advise counts a rank's), what a step of small ops costs
+    here beyond their arithmetic (dispatch, autograd, the optimizer's loop)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*(m for _ in range(4) for m in (nn.Linear(64, 64), nn.GELU())))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    x = torch.randn(8, 64)
+
+    def step() -> None:
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    counting = Counting({})
+    with counting:
+        step()
+    return best(step) / max(1.0, counting.work.op_count())
+
+
+def _this_gpu(size: int = 8192) -> GPU:
+    """The first GPU: a bf16 GEMM's rate and a copy's bandwidth, measured (the best of
+    five, CUDA events), its memory and its datasheet peak where a profile names it
+    (else the measured rate). Never run on a GPU yet: no GPU has been lent to this
+    project's sessions."""
+    dev = torch.device("cuda", 0)
+    props = torch.cuda.get_device_properties(dev)
+
+    def best(fn, runs: int = 5) -> float:
+        fn()
+        times = []
+        for _ in range(runs):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        return min(times)
+
+    def rates() -> tuple[float, float]:  # its tensors freed on return
+        a = torch.randn(size, size, device=dev, dtype=torch.bfloat16)
+        b = torch.randn(size, size, device=dev, dtype=torch.bfloat16)
+        x = torch.empty(2**30, dtype=torch.uint8, device=dev)
+        y = torch.empty_like(x)
+        return 2 * size**3 / best(lambda: a @ b), 2 * x.numel() / best(lambda: y.copy_(x))
+
+    gemm, copy = rates()
+    torch.cuda.empty_cache()
+    named = next((g for k, g in gpus.PROFILES.items() if k in props.name.lower()), None)
+    peak = named.peak_flops if named else gemm
+    return GPU(
+        gpus.THIS_MACHINE,
+        peak,
+        gemm,
+        float(props.total_memory),
+        copy,
+        f"{props.name}, measured: bf16 GEMM {size}^3 {gemm / 1e12:.0f} TFLOP/s, copy "
+        f"{copy / 1e9:.0f} GB/s; peak {peak / 1e12:.0f} TFLOP/s "
+        + ("(the datasheet's)" if named else "(none known: the measured rate)"),
+        attention_flops=named.attention_flops if named else 0.0,
+    )

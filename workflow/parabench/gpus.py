@@ -1,0 +1,164 @@
+"""Accelerator profiles: what `parabench advise` prices a rank's ops at. Torch-free.
+
+A profile is a roofline: each op takes the longer of its FLOPs at the achievable
+matmul rate and its bytes at the memory bandwidth, and at least `op_floor_s` (a
+kernel's shortest run). Each figure says where it comes from:
+
+- peak: the datasheet's dense BF16 rate (what MFU divides by, as torchtitan does);
+- achievable: the Maximum Achievable Matmul FLOPS (MAMF) measured by stas00's
+  ml-engineering book ("Maximum Achievable Matmul FLOPS comparison table", compute/
+  accelerator/README.md: the best mean over a search of GEMM shapes; "a rough
+  estimation"). Real models' GEMMs are smaller than the best shape, so this is an
+  upper bound on the rate: predictions err fast. Where the GPU is at hand,
+  `calibrated` replaces it with a GEMM measured there;
+- attention: fused attention's rate, from the FlashAttention papers: FlashAttention-2
+  "achieving only 35% utilization on the H100 GPU" (FlashAttention-3, Shah et al. 2024,
+  its abstract; PyTorch's SDPA runs FlashAttention-2 on H100), "50-73% of the
+  theoretical maximum FLOPs/s on A100" (FlashAttention-2, Dao 2023: its lower end);
+- bandwidth: the datasheet's. No authoritative achievable fraction was found, so
+  memory-bound ops are priced at the peak: another reason predictions err fast.
+
+`this-machine` is the host's own CPU, measured when asked for (fakerank.this_machine):
+what the on-machine ranking check prices the default run's cells at.
+
+A user's own: a YAML or JSON file with the same keys (name, peak_flops,
+achievable_flops, memory_bytes, bandwidth, source; op_floor_s optional).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+GiB = 2**30
+
+
+class GPUError(ValueError):
+    """A GPU profile that cannot be used, with why."""
+
+
+@dataclasses.dataclass(frozen=True)
+class GPU:
+    name: str
+    peak_flops: float  # dense BF16 FLOP/s, the datasheet's
+    achievable_flops: float  # FLOP/s a large GEMM reaches
+    memory_bytes: float  # what one device holds
+    bandwidth: float  # bytes/s of its memory
+    source: str
+    attention_flops: float = 0.0  # FLOP/s of fused attention (0: the matmul rate)
+    op_floor_s: float = 3e-6  # the shortest a kernel runs (launch and tail)
+    cores: int = 0  # CPU profiles: the cores its ranks share (0: a device each)
+
+    def op_time(self, flops: float, nbytes: float, attention: bool = False) -> float:
+        """One op's seconds on this device: its roofline bound, at least the floor."""
+        rate = (
+            (self.attention_flops or self.achievable_flops) if attention else self.achievable_flops
+        )
+        return max(flops / rate, nbytes / self.bandwidth, self.op_floor_s)
+
+
+_FA2_H100 = (
+    "attention 346 TFLOP/s (FlashAttention-2's 35% of peak on H100, per FlashAttention-3's "
+    "abstract)"
+)
+_MAMF = (
+    "MAMF from stas00/ml-engineering, compute/accelerator/README.md, 'Maximum Achievable "
+    "Matmul FLOPS comparison table'"
+)
+
+PROFILES: dict[str, GPU] = {
+    "h100": GPU(
+        "h100",
+        989e12,
+        794.5e12,
+        80 * GiB,
+        3.35e12,
+        f"H100 SXM 80 GB HBM3 at 700 W: 989 TFLOP/s dense BF16, 3.35 TB/s (datasheet); "
+        f"achievable 794.5 TFLOP/s ({_MAMF}: 80.3% of peak); {_FA2_H100}",
+        attention_flops=0.35 * 989e12,
+    ),
+    "h100-96gb-500w": GPU(
+        "h100-96gb-500w",
+        989e12,
+        794.5e12,
+        96 * GiB,
+        2.4e12,
+        "H100 with 96 GB HBM2e at 2.4 TB/s and a 500 W power limit, as in torchtitan's "
+        "benchmarks/llama3_h100_202412_torchtitan.md (which divides by the SXM peak, "
+        f"989 TFLOP/s); achievable 794.5 TFLOP/s, the 700 W SXM's ({_MAMF}): the power "
+        f"limit lowers it by an amount no source states, so predictions err fast; {_FA2_H100}",
+        attention_flops=0.35 * 989e12,
+    ),
+    "h200": GPU(
+        "h200",
+        989e12,
+        794.5e12,
+        141e9,
+        4.8e12,
+        "H200 SXM 141 GB HBM3e: 989 TFLOP/s dense BF16, 4.8 TB/s (datasheet); achievable "
+        f"794.5 TFLOP/s ({_MAMF}, which lists H200 as H100's compute); {_FA2_H100}",
+        attention_flops=0.35 * 989e12,
+    ),
+    "a100": GPU(
+        "a100",
+        312e12,
+        271.2e12,
+        80 * GiB,
+        2.039e12,
+        "A100 SXM 80 GB HBM2e: 312 TFLOP/s dense BF16, 2,039 GB/s (datasheet); achievable "
+        f"271.2 TFLOP/s ({_MAMF}: 86.9% of peak); attention 156 TFLOP/s (FlashAttention-2's "
+        "paper: 50-73% of peak on A100, its lower end)",
+        attention_flops=0.5 * 312e12,
+    ),
+}
+
+THIS_MACHINE = "this-machine"
+NAMES = (*PROFILES, THIS_MACHINE)
+
+
+def from_file(path: Path) -> GPU:
+    """A user's profile: YAML or JSON with GPU's fields."""
+    text = Path(path).read_text()
+    try:
+        data = json.loads(text)
+    except ValueError:
+        import yaml
+
+        data = yaml.safe_load(text)
+    fields = {f.name for f in dataclasses.fields(GPU)}
+    need = {"name", "peak_flops", "achievable_flops", "memory_bytes", "bandwidth", "source"}
+    # optional: attention_flops, op_floor_s
+    if not isinstance(data, dict) or (missing := sorted(need - set(data))):
+        raise GPUError(f"{path}: a GPU profile needs {sorted(need)}; missing {missing}")
+    if unknown := sorted(set(data) - fields):
+        raise GPUError(f"{path}: unknown GPU profile keys {unknown}")
+    try:
+        gpu = GPU(**{k: (v if k in ("name", "source") else float(v)) for k, v in data.items()})
+    except (TypeError, ValueError) as e:
+        raise GPUError(f"{path}: {e}") from None
+    if min(gpu.peak_flops, gpu.achievable_flops, gpu.memory_bytes, gpu.bandwidth) <= 0:
+        raise GPUError(f"{path}: rates and sizes must be positive")
+    return gpu
+
+
+def resolve(name_or_file: str) -> GPU:
+    """A named profile or a profile file (THIS_MACHINE is measured: fakerank.this_machine)."""
+    if name_or_file in PROFILES:
+        return PROFILES[name_or_file]
+    if Path(name_or_file).is_file():
+        return from_file(Path(name_or_file))
+    raise GPUError(
+        f"gpu {name_or_file!r}: neither a profile ({', '.join(NAMES)}) nor a profile file"
+    )
+
+
+def problem(name_or_file: str) -> str | None:
+    """Why `name_or_file` is no GPU profile, without measuring anything."""
+    if name_or_file in NAMES:
+        return None
+    try:
+        from_file(Path(name_or_file))
+    except (OSError, GPUError) as e:
+        return f"neither a profile ({', '.join(NAMES)}) nor a readable profile file ({e})"
+    return None

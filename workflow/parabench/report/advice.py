@@ -1,0 +1,188 @@
+"""The report's "What to run at N GPUs": advise.csv's answer for each model and N, the
+on-machine ranking check (advise's prediction against this run's measured cells), and
+the check against torchtitan's published runs (advise-torchtitan.csv)."""
+
+from __future__ import annotations
+
+import math
+
+import pandas as pd
+
+from parabench.catalog import record
+from parabench.report.loading import rows
+from parabench.scaling import degrees_of
+
+# The one-dimensional strategies that are a layout of advise's as they stand: DDP over
+# dp_replicate, FSDP2 over dp_shard, TP over tp (and every layout record).
+PLAIN = ("ddp", "fsdp", "tp")
+
+RUNNERS_UP = 4
+# The Ultra-Scale Playbook, "Step 1: fitting a training step in memory" (GPU-rich).
+PLAYBOOK = {
+    "small": (
+        "under 10B parameters: a single technique across 8 GPUs, tensor parallelism or "
+        "ZeRO-3/DP with full recompute"
+    ),
+    "medium": (
+        "10B to 100B on more than 8 GPUs: TP 8 with pipeline parallelism, TP 8 with ZeRO-3, "
+        "or ZeRO-3 alone"
+    ),
+    "large": "at 1,024+ GPUs: TP 8 with ZeRO-2 and pipeline parallelism",
+}
+
+
+def _gib(x) -> str:
+    return "?" if x is None or pd.isna(x) else f"{x / 2**30:,.1f} GiB"
+
+
+def _why(best: dict, usable: float, next_row: dict | None) -> str:
+    """The recommendation's reason, in one sentence."""
+    ac = {
+        "none": "no activation checkpointing",
+        "selective": "selective checkpointing",
+        "full": "full checkpointing",
+    }[best["ac"]]
+    acc = (
+        f", {best['accumulation']} micro-batches of {best['micro_batch']}"
+        if best["accumulation"] > 1
+        else f", micro-batch {best['micro_batch']}"
+    )
+    text = (
+        f"{best['layout']} with {ac}{acc} is the fastest layout that fits: "
+        f"{_gib(best['memory_bytes'])} of the {_gib(usable)} usable"
+    )
+    if next_row:
+        slower = next_row["step_s"] / best["step_s"] - 1
+        text += f", {slower:.0%} faster than the next ({next_row['layout']}, ac {next_row['ac']})"
+    return text + f"; its step is bound by {best['binding']}."
+
+
+def _sections(adv: pd.DataFrame) -> list[dict]:
+    out = []
+    for (model, n), group in adv.groupby(["model", "gpus"], sort=False):
+        ok = group[group["status"] == "ok"]
+        fits = ok[ok["fits"].astype(str).str.lower() == "true"].sort_values("step_s")
+        usable = None
+        if len(ok):
+            from parabench.advise import HEADROOM
+
+            usable = float(ok["device_memory_bytes"].iloc[0]) * (1 - HEADROOM)
+        top = rows(fits.head(1 + RUNNERS_UP))
+        best = top[0] if top else None
+        section = {
+            "model": model,
+            "gpus": int(n),
+            "gpu": ok["gpu"].iloc[0] if len(ok) else "",
+            "fabric": ok["fabric"].iloc[0] if len(ok) else "",
+            "best": best,
+            "why": _why(best, usable, top[1] if len(top) > 1 else None) if best else "",
+            "runners": [{**r, "slower": r["step_s"] / best["step_s"] - 1} for r in top[1:]],
+            "candidates": len(group),
+            "measured": len(ok),
+            "fitting": int((group["fits"].astype(str).str.lower() == "true").sum()),
+            "skipped": rows(
+                group[group["status"].isin(["skipped", "failed"])].drop_duplicates("reason")
+            ),
+            "closest": rows(ok.sort_values("memory_bytes").head(1)) if best is None else [],
+            "usable": usable,
+            "playbook": playbook(model, int(n), group, best),
+        }
+        out.append(section)
+    return out
+
+
+def playbook(model: str, n: int, group: pd.DataFrame, best: dict | None) -> dict | None:
+    """The Playbook's guidance for this model's size at n GPUs, beside the answer."""
+    params = group["params"].dropna() if "params" in group else pd.Series(dtype=float)
+    if params.empty or best is None:
+        return None
+    p = float(params.iloc[0])
+    size = "small" if p < 10e9 else "medium" if p <= 100e9 else None
+    if n >= 1024:
+        size = "large"
+    if size is None or (size == "small" and n != 8):
+        return None
+    return {"params": p, "guidance": PLAYBOOK[size]}
+
+
+def ranking(adv: pd.DataFrame, summary: pd.DataFrame) -> list[dict]:
+    """For each (model, N) advise ran at where this run measured layouts at N: advise's
+    predicted step beside the measured one, per layout, and whether the two rank them
+    alike (the fastest; Spearman's rank correlation)."""
+    out = []
+    ok = adv[adv["status"] == "ok"]
+    measured = summary[(summary["status"] == "ok") & (summary["ac"] == "none")]
+    for (model, n), group in ok.groupby(["model", "gpus"]):
+        mine = measured[(measured["model"] == model) & (measured["devices"] == n)]
+        mine = mine[
+            (mine["precision"] == group["precision"].iloc[0])
+            & (mine["optimizer"] == group["optimizer"].iloc[0])
+        ]
+        pairs = []
+        for _, row in mine.iterrows():
+            rec = record(row["strategy"])
+            if not (rec.layout or row["strategy"] in PLAIN):
+                continue  # its own machinery (ZeRO-1, compression, accumulation): no layout
+            deg = degrees_of(row)
+            if sum(v > 1 for v in deg.values()) == 0:
+                continue  # one process, no layout
+            zero = 3 if deg["dp_shard"] > 1 else 0
+            if _options(row).get("reshard_after_forward") is False:
+                zero = 2
+            match = group[
+                (group["ac"] == "none")
+                & (group["accumulation"] == 1)
+                & (group["zero"] == zero)
+                & (group["pp"] == deg["pp"])
+                & (group["tp"] == deg["tp"])
+                & (group["dp_shard"] == deg["dp_shard"])
+                & (group["dp_replicate"] == deg["dp_replicate"])
+            ]
+            if deg["pp"] > 1 or match.empty:
+                continue  # a pipeline's micro-batches are the cell's own: not one of advise's
+            p = match.iloc[0]
+            pairs.append(
+                {
+                    "strategy": row["strategy"],
+                    "layout": p["layout"],
+                    "predicted_s": float(p["step_s"]),
+                    "measured_s": float(row["step_time_s"]),
+                    "error": float(p["step_s"]) / float(row["step_time_s"]) - 1,
+                }
+            )
+        if len(pairs) < 2:
+            continue
+        df = pd.DataFrame(pairs)
+        rho = df["predicted_s"].rank().corr(df["measured_s"].rank())
+        out.append(
+            {
+                "model": model,
+                "gpus": int(n),
+                "gpu": group["gpu"].iloc[0],
+                "rows": rows(df.sort_values("measured_s")),
+                "top1": df.loc[df["predicted_s"].idxmin(), "strategy"]
+                == df.loc[df["measured_s"].idxmin(), "strategy"],
+                "predicted_best": df.loc[df["predicted_s"].idxmin(), "strategy"],
+                "measured_best": df.loc[df["measured_s"].idxmin(), "strategy"],
+                "spearman": None if math.isnan(rho) else rho,
+                "mape": float(df["error"].abs().mean()),
+            }
+        )
+    return out
+
+
+def _options(row) -> dict:
+    from parabench.scaling import options
+
+    return options(row)
+
+
+def advice(adv: pd.DataFrame, check: pd.DataFrame, summary: pd.DataFrame) -> dict:
+    """What the report's "What to run" section reads."""
+    failed = adv[(adv["status"] == "failed") & adv["model"].isna()] if not adv.empty else adv
+    return {
+        "failed": list(failed["reason"]) if not failed.empty else [],
+        "sections": _sections(adv) if not adv.empty else [],
+        "ranking": ranking(adv, summary) if not adv.empty else [],
+        "torchtitan": rows(check) if not check.empty else [],
+    }

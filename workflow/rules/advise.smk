@@ -1,0 +1,41 @@
+# Which layout to run on N GPUs (parabench.advise): every layout that applies, one rank
+# of each measured on fake tensors, its step predicted. One job, never beside a timed
+# cell (it measures this host when advise.gpu is this-machine, and takes a core).
+ADVISE = config["advise"]
+ADVISE_CURVES = ADVISE["fabric"] == "curves"
+
+
+rule advise:
+    input:
+        # ancient: rewritten by every aggregate; the curves' settings are in `measures`
+        collectives=ancient(f"{RESULTS}/collectives.csv") if ADVISE_CURVES else [],
+    output:
+        advise=report(f"{RESULTS}/advise.csv", caption="../report/advise.rst", category="Tables"),
+        torchtitan=(
+            report(
+                f"{RESULTS}/advise-torchtitan.csv",
+                caption="../report/advise.rst",
+                category="Tables",
+            )
+            if ADVISE["torchtitan"]
+            else []
+        ),
+    log:
+        f"{RESULTS}/logs/advise.log",
+    conda:
+        "../envs/parabench.yaml"
+    resources:
+        runtime=30,
+        timed_cells=1,
+        slurm_extra=slurm_extra,
+    params:
+        measures=lambda wc: [json.dumps(ADVISE, sort_keys=True), COLLECTIVES_SETTINGS],
+        launch=lambda wc, input, output: shlex.join(
+            advise_command(
+                config,
+                Path(output.advise).parent,
+                input.collectives if ADVISE_CURVES else None,
+            )
+        ),
+    shell:
+        "{params.launch} > {log:q} 2>&1"
