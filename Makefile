@@ -17,8 +17,9 @@ ARGS   ?=
 PYTEST_WORKERS ?= -n 2 --dist loadfile
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.parabench-installed
-# The tests' extras (transformers for arch: hf; Holistic Trace Analysis), which the
-# default run does not need.
+# The tests' extra (Holistic Trace Analysis), which the default run does not need. The
+# default run needs transformers (the `hf` extra): its advise check builds Llama 3.1
+# shapes (torchtitan's published runs) on fake tensors.
 HF_STAMP := $(VENV)/.parabench-hf-installed
 
 # The GPU check runs with whatever python has a CUDA torch: the venv's if there is one,
@@ -31,7 +32,7 @@ GPU_PYTHON ?= $(if $(wildcard $(BIN)/python),$(BIN)/python,python3)
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(if $(TORCH),$(BIN)/python -m pip install -q "$(TORCH)")
-	$(BIN)/python -m pip install -q -e ".[workflow,dev]"
+	$(BIN)/python -m pip install -q -e ".[workflow,dev,hf]"
 	touch $@
 
 $(HF_STAMP): $(STAMP)

@@ -208,7 +208,7 @@ def test_advise_writes_every_column_and_accounts_for_every_candidate(advised):
         assert layouts == want, layouts ^ want
         assert (
             mine["micro_batch"] * mine["accumulation"] * mine["dp_replicate"] * mine["dp_shard"]
-            == 32
+            == 16
         )[ok.index].all()
         assert set(ok["ac"]) == {"none", "selective", "full"}
         assert ok[ok["status"] == "inferred"]["reason"].str.len().gt(0).all()
@@ -288,6 +288,7 @@ def test_the_ranking_check_sets_each_measured_layout_beside_its_prediction():
                 "ac": "none",
                 "precision": "fp32",
                 "optimizer": "sgd",
+                "global_batch": 8,
                 "status": "ok",
                 "step_time_s": t,
                 "options": "{}",
@@ -310,6 +311,7 @@ def test_the_ranking_check_sets_each_measured_layout_beside_its_prediction():
                 "gpu": "this-machine",
                 "precision": "fp32",
                 "optimizer": "sgd",
+                "global_batch": 8,
                 "status": "ok",
                 "ac": "none",
                 "accumulation": 1,
@@ -343,3 +345,34 @@ def test_the_shipped_advise_config_loads_and_its_models_plan_without_building():
     for entry in config["models"].values():
         facts = models.facts(model_spec(entry))
         assert not facts.problems and facts.has_tp_plan and facts.n_blocks >= 32
+
+
+def test_a_failed_measurement_decides_nothing():
+    """A layout whose lightest measurement fails is not 'does not fit': its rows say
+    it failed, and the search does not prune the heavier layouts of its degrees."""
+    from parabench import models
+
+    class Failing(advise.Search):
+        def row(self, c, facts, global_batch, tokens):
+            return {**self.base(c, global_batch, tokens), "status": "failed", "reason": "boom"}
+
+    search = Failing(
+        {"llama": LLAMA},
+        gpus.PROFILES["h100"],
+        PROFILES["h100-nvlink-ndr400"],
+        "bf16",
+        "adamw",
+        log=lambda _: None,
+    )
+    facts = models.facts(LLAMA)
+    family = [
+        c
+        for c in advise.candidates("llama", facts, 4, 4, 16, 4)
+        if isinstance(c, advise.Candidate) and (c.pp, c.dp_shard, c.tp, c.zero) == (1, 4, 1, 3)
+    ]
+    rows, lightest = advise._search_family(search, family, facts, 16, 0)
+    assert lightest is None
+    assert {r["status"] for r in rows} == {"failed"} and not any(
+        r.get("fits") is False for r in rows
+    )
+    assert all("boom" in r["reason"] for r in rows)

@@ -109,9 +109,9 @@ def _powers_of_two(n: int) -> list[int]:
 
 def candidates(
     name: str, facts, n: int, gpus_per_node: int, global_batch: int, depth: int | None
-) -> Iterator[Candidate | tuple[dict, str]]:
-    """Every candidate layout at n GPUs; a layout that cannot apply as (its degrees,
-    why) instead. A pipeline's stages each hold at least one of the model's `depth`
+) -> Iterator[Candidate | tuple[Candidate | dict, str]]:
+    """Every candidate layout at n GPUs; one that cannot run as (it, or its degrees,
+    and why) instead. A pipeline's stages each hold at least one of the model's `depth`
     repeated blocks (None: a model whose stage advise cannot build, so no pipeline)."""
     for tp in _divisors(min(n, gpus_per_node)):
         if n % tp:
@@ -122,10 +122,9 @@ def candidates(
             if pp > 1 and (not depth or facts.cut_skip or pp > depth or pp > MAX_PP):
                 continue
             dp = n // (tp * pp)
-            deg = {"pp": pp, "tp": tp, "dp": dp}
             if global_batch % dp:
                 yield (
-                    deg,
+                    {"pp": pp, "dp_replicate": 1, "dp_shard": dp, "tp": tp},
                     f"the global batch of {global_batch} does not split over {dp} "
                     "data-parallel ranks",
                 )
@@ -148,7 +147,7 @@ def candidates(
                             continue
                         for ac in AC_ORDER:
                             for schedule in SCHEDULES if pp > 1 else ("",):
-                                yield Candidate(
+                                c = Candidate(
                                     name,
                                     n,
                                     pp,
@@ -161,6 +160,16 @@ def candidates(
                                     zero,
                                     schedule,
                                 )
+                                if schedule == "1f1b" and c.accumulation < pp:
+                                    yield (
+                                        c,
+                                        (
+                                            f"1F1B needs a micro-batch per stage: {c.accumulation} "
+                                            f"for {pp} stages (torch's Schedule1F1B refuses it)"
+                                        ),
+                                    )
+                                else:
+                                    yield c
 
 
 def _shape(c: Candidate, precision: str, optimizer: str):
@@ -194,7 +203,7 @@ def in_flight(c: Candidate) -> int:
 
 def predict(c: Candidate, m, gpu: GPU, fabric: Fabric, tokens_per_sample: int) -> dict:
     """The step of candidate `c` from its rank's measurement `m` (fakerank.Measured)."""
-    from parabench.fakerank import ATTENTION, OPTIMIZER, STEP
+    from parabench.fakerank import ATTENTION, OPTIMIZER, RECOMPUTE, STEP
 
     def seconds(phase: str) -> float:
         return sum(
@@ -205,11 +214,12 @@ def predict(c: Candidate, m, gpu: GPU, fabric: Fabric, tokens_per_sample: int) -
 
     a = c.accumulation
     slicing = max(1.0, c.gpus / gpu.cores) if gpu.cores else 1.0  # ranks sharing cores
-    micro_s = seconds(STEP) * slicing
+    recompute = seconds(RECOMPUTE) * slicing
+    micro_s = seconds(STEP) * slicing + recompute
     compute = a * micro_s + seconds(OPTIMIZER) * slicing
     # Per micro-batch, as the rank measured, but a pipeline's schedule runs data
     # parallelism's gather and gradient sync once per step (layout.py): only tp's
-    # collectives recur with every micro-batch there.
+    # collectives recur with every micro-batch there. Per step from here on.
     comm_dims = {
         d: {
             op: {k: v * (a if c.pp == 1 or d == "tp" else 1) for k, v in e.items()}
@@ -220,15 +230,16 @@ def predict(c: Candidate, m, gpu: GPU, fabric: Fabric, tokens_per_sample: int) -
     comm = layout_comm([comm_dims], fabric.time, c.degrees, a)
     p2p = 0.0
     if c.pp > 1:  # fill and drain wait on one transfer per boundary, each way
-        p2p = 2 * (c.pp - 1) * fabric.time("send", 2, m.boundary_bytes, c.tp * 2)
+        # neighbouring stages are a stage's dp x tp ranks apart: the link that spans
+        span = 2 * c.dp * c.tp
+        p2p = 2 * (c.pp - 1) * fabric.time("send", 2, m.boundary_bytes, span)
     bubble = (c.pp - 1) * micro_s  # (pp - 1)/m of m micro-batches' compute
     step = compute + comm + p2p + bubble
-    model_flops = a * (m.work.flops(STEP) - m.work.recompute_flops) + m.work.flops(OPTIMIZER)
+    model_flops = a * m.work.flops(STEP) + m.work.flops(OPTIMIZER)
     samples = c.micro * a * c.dp
     return {
         "compute_s": compute,
-        # the recompute's matmul FLOPs at the matmul rate: its share of compute
-        "recompute_s": a * m.work.recompute_flops / gpu.achievable_flops * slicing,
+        "recompute_s": a * recompute,
         "comm_s": comm + p2p,
         "comm_by_dim": json.dumps(comm_dims, sort_keys=True),
         "bubble_s": bubble,
@@ -237,7 +248,8 @@ def predict(c: Candidate, m, gpu: GPU, fabric: Fabric, tokens_per_sample: int) -
         "tokens_per_s_per_gpu": samples * tokens_per_sample / step / c.gpus
         if tokens_per_sample
         else math.nan,
-        "flops_per_gpu": a * m.work.flops(STEP) + m.work.flops(OPTIMIZER),
+        "flops_per_gpu": a * (m.work.flops(STEP) + m.work.recompute_flops)
+        + m.work.flops(OPTIMIZER),
         "mfu": model_flops / step / gpu.peak_flops,
     }
 
@@ -296,7 +308,7 @@ class Search:
                     else fakerank.measure(spec, shape)
                 )
             except Exception as e:  # a row that says why, never a lost search
-                self.cache[key] = f"{type(e).__name__}: {e}"[:300]
+                self.cache[key] = _why(e)
             self.measurements += 1
             self.log(
                 f"  measured {c.layout} ac {c.ac} micro {c.micro}: {time.perf_counter() - t0:.1f} s"
@@ -313,12 +325,14 @@ class Search:
         m = self.measured(c, stage)
         if isinstance(m, str):
             return {**row, "status": "failed", "reason": m}
-        extra = (in_flight(c) - 1) * m.saved_bytes
+        # the first stage's other micro-batches in flight: what its blocks saved for each
+        extra = (in_flight(c) - 1) * m.block_saved_bytes
         peak = m.peak_bytes + extra
         usable = self.gpu.memory_bytes * (1 - HEADROOM)
-        how = "measured"
-        if stage and stage > fakerank.FIRST_PROBE + 1:
-            how = f"measured at {fakerank.FIRST_PROBE}+ blocks, extended to {stage}"
+        how = f"measured at {m.blocks} blocks"
+        if m.extended_from:
+            lo, hi = m.extended_from
+            how = f"measured at {lo} and {hi} blocks, extended to {m.blocks}"
         if extra:
             how += f"; {in_flight(c) - 1} more micro-batches' saved activations in flight added"
         row.update(
@@ -377,24 +391,40 @@ def _largest_fit(micros: list[int], fits: Callable[[int], bool]) -> int | None:
 
 def _search_family(
     search: Search, cands: list[Candidate], facts, global_batch: int, tokens: int
-) -> tuple[list[dict], bool]:
-    """One layout's rows (see `search`), and whether its lightest option fits."""
+) -> tuple[list[dict], bool | None]:
+    """One layout's rows (see `search`), and whether its lightest option fits (None:
+    its measurement failed, which decides nothing)."""
     rows = []
     by = {(c.ac, c.micro): c for c in cands}
     micros = sorted({c.micro for c in cands})
     done: dict[tuple[str, int], dict] = {}
 
-    def measured(ac: str, micro: int) -> bool:
+    def fits(ac: str, micro: int) -> bool:
+        """Measured: a failure counts as not fitting for the search, and its row says
+        it failed; rows decided by it say so too."""
         if (ac, micro) not in done:
             done[(ac, micro)] = search.row(by[(ac, micro)], facts, global_batch, tokens)
         return bool(done[(ac, micro)].get("fits"))
 
+    def failed(ac: str, micro: int) -> str:
+        got = done.get((ac, micro), {})
+        return got.get("reason", "") if got.get("status") == "failed" else ""
+
     best: dict[str, int | None] = {}
-    if measured("full", micros[0]):
+    lightest = fits("full", micros[0])
+    if lightest:
         floor = 0  # a lighter level's largest fit: below it, that level is faster
+        pipelined = cands[0].pp > 1
         for ac in AC_ORDER:
             above = [m for m in micros if m > floor]
-            best[ac] = _largest_fit(above, lambda m, ac=ac: measured(ac, m)) if above else None
+            if pipelined:  # every micro-batch that fits, from the smallest up
+                best[ac] = None
+                for m in above:
+                    if not fits(ac, m):
+                        break
+                    best[ac] = m
+            else:
+                best[ac] = _largest_fit(above, lambda m, ac=ac: fits(ac, m)) if above else None
             floor = max(floor, best[ac] or 0)
     for c in cands:
         key = (c.ac, c.micro)
@@ -402,14 +432,15 @@ def _search_family(
             rows.append(done[key])
             continue
         row = {**search.base(c, global_batch, tokens), "status": "inferred"}
-        if not best:
+        smaller = [m for m in micros if m < c.micro and (c.ac, m) in done]
+        if why := failed("full", micros[0]):
+            row.update(status="failed", reason=f"not measured: its lightest option failed ({why})")
+        elif not best:
             row.update(
                 fits=False,
                 binding="memory",
-                reason=(
-                    f"does not fit: nor does micro-batch {micros[0]} with full "
-                    "checkpointing (measured)"
-                ),
+                reason=f"does not fit: nor does micro-batch {micros[0]} with full "
+                "checkpointing (measured)",
             )
         elif best.get(c.ac) is not None and c.micro < best[c.ac]:
             row.update(
@@ -422,14 +453,19 @@ def _search_family(
                 fits=True,
                 reason=f"fits: ac {lighter[0]} fits at this micro-batch, with less recompute",
             )
+        elif smaller and (why := failed(c.ac, smaller[-1])):
+            row.update(
+                status="failed",
+                reason=f"not measured: micro-batch {smaller[-1]} at ac {c.ac} failed ({why})",
+            )
         else:
             row.update(
                 fits=False,
                 binding="memory",
-                reason=(f"does not fit: a smaller micro-batch at ac {c.ac} does not (measured)"),
+                reason=f"does not fit: a smaller micro-batch at ac {c.ac} does not (measured)",
             )
         rows.append(row)
-    return rows, bool(best)
+    return rows, (None if failed("full", micros[0]) else lightest)
 
 
 def _family_job(search: Search, cands: list[Candidate], facts, global_batch: int, tokens: int):
@@ -457,7 +493,8 @@ def search(
     the micro-batch and shrinks with heavier checkpointing (none, selective, full). So:
     its lightest option (micro-batch 1, full) is measured first, and where it does not
     fit, nothing of the layout does; else, for each level, the largest micro-batch that
-    fits is found by bisection, above the largest a lighter level fits at (below it the
+    fits is found by bisection (a pipeline's: every one that fits, from the smallest,
+    whose bubble is the least), above the largest a lighter level fits at (below it the
     lighter level is faster: the same passes, less recompute). And across layouts of
     the same degrees: ZeRO-3 FSDP holds no more than ZeRO-2, HSDP or DDP, so where its
     lightest option does not fit, theirs are not measured. What is not measured is a
@@ -467,10 +504,23 @@ def search(
     families: dict[tuple, list[Candidate]] = {}
     for c in candidates(name, facts, n, gpus_per_node, global_batch, depth):
         if isinstance(c, tuple):
-            deg, why = c
-            layout = " x ".join(f"{k} {v}" for k, v in deg.items())
+            what, why = c
+            if isinstance(what, Candidate):
+                rows.append(
+                    {**search.base(what, global_batch, tokens), "status": "skipped", "reason": why}
+                )
+                continue
+            dp = what["dp_shard"]
+            layout = Candidate(name, n, what["pp"], 1, dp, what["tp"], "none", 0, 0, 0).layout
             rows.append(
-                {"model": name, "gpus": n, "layout": layout, "status": "skipped", "reason": why}
+                {
+                    "model": name,
+                    "gpus": n,
+                    "layout": layout,
+                    **what,
+                    "status": "skipped",
+                    "reason": why,
+                }
             )
         else:
             families.setdefault(_family(c), []).append(c)
@@ -495,7 +545,9 @@ def search(
         return out
 
     lightest = run([fams[0] for fams in groups.values()])
-    rest = [f for fams in groups.values() if lightest[fams[0]][1] for f in fams[1:]]
+    # the rest of a group, unless its lightest layout does not fit (None: it failed, so
+    # nothing is known, and they are measured)
+    rest = [f for fams in groups.values() if lightest[fams[0]][1] is not False for f in fams[1:]]
     done = {**lightest, **run(rest)}
     for fams in groups.values():
         first = fams[0]
@@ -531,6 +583,10 @@ def write(rows: list[dict], out: Path) -> Path:
     path = out / "advise.csv"
     write_rows(path, ADVISE_COLUMNS, rows)
     return path
+
+
+def _why(e: Exception) -> str:
+    return f"{type(e).__name__}: {e}"[:500]
 
 
 def tokens_per_sample(spec: ModelSpec) -> int:
@@ -597,32 +653,31 @@ def _pool(workers: int):
 def _advise_model(
     search_: Search, config: dict, name: str, pool, out: Path, done: list[dict], log
 ) -> list[dict]:
-    """Model `name`'s rows at each N (advise.csv rewritten after each)."""
+    """Model `name`'s rows at each N (advise.csv rewritten after each); what fails, a
+    row that says why, and the next N goes on."""
     from parabench import fakerank, models
 
     adv = config["advise"]
     spec, entry = search_.specs[name], config["models"][name]
-    facts = models.facts(spec)
-    tokens = tokens_per_sample(spec)
-    batch, why = global_batch_of(adv, entry, tokens)
     rows: list[dict] = []
     for n in adv["gpus"]:
         t0, before = time.perf_counter(), search_.measurements
-        if why or facts.problems:
-            rows.append(
-                {
-                    "model": name,
-                    "gpus": n,
-                    "status": "failed",
-                    "reason": why or "; ".join(facts.problems),
-                }
+        try:
+            facts = models.facts(spec)
+            tokens = tokens_per_sample(spec)
+            batch, why = global_batch_of(adv, entry, tokens)
+            if why or facts.problems:
+                raise ValueError(why or "; ".join(facts.problems))
+            depth = fakerank.depth(spec)
+            found = search(
+                search_, name, facts, n, adv.get("gpus_per_node", 8), batch, tokens, depth, pool
             )
+            params = fakerank.parameters(spec)
+        except Exception as e:  # this (model, N) fails; the table keeps the rest
+            rows.append({"model": name, "gpus": n, "status": "failed", "reason": _why(e)})
+            write(done + rows, out)
+            log(f"advise {name} N={n}: failed: {_why(e)}")
             continue
-        depth = fakerank.depth(spec)
-        found = search(
-            search_, name, facts, n, adv.get("gpus_per_node", 8), batch, tokens, depth, pool
-        )
-        params = fakerank.parameters(spec)
         rows += [{**r, "params": params} for r in found]
         write(done + rows, out)
         best = [r for r in found if r.get("rank") == 1]
@@ -642,7 +697,6 @@ def _advise_model(
 def check_torchtitan(gpu: GPU, fabric: Fabric, log: Callable[[str], None] = print) -> list[dict]:
     """Each of torchtitan's published runs (published.TORCHTITAN_TABLES), its layout
     measured and predicted as advise does any candidate, beside what it reported."""
-    from parabench import fakerank, models
     from parabench.config import model_spec
     from parabench.published import TORCHTITAN_SOURCE, TORCHTITAN_TABLES, llama3_model
 
@@ -650,36 +704,30 @@ def check_torchtitan(gpu: GPU, fabric: Fabric, log: Callable[[str], None] = prin
     searcher = Search(specs, gpu, fabric, "bf16", "adamw", log)
     rows = []
     for t in TORCHTITAN_TABLES:
-        spec = specs[t["model"]]
-        c = Candidate(
-            t["model"],
-            t["gpus"],
-            t["pp"],
-            1,
-            t["dp_shard"],
-            t["tp"],
-            t["ac"],
-            t["micro"],
-            t["accumulation"],
-            t["zero"],
-            t["schedule"],
-        )
-        tokens = tokens_per_sample(spec)
-        row = searcher.row(c, models.facts(spec), c.micro * c.accumulation * c.dp, tokens)
+        published = {
+            "table": t["table"],
+            "source": TORCHTITAN_SOURCE,
+            "model": t["model"],
+            "gpus": t["gpus"],
+            "published_tokens_per_s_per_gpu": t["tokens_per_s_per_gpu"],
+            "published_memory_gib": t["memory_gib"],
+            "not_modelled": t["not_modelled"],
+        }
+        try:
+            row = _torchtitan_row(searcher, specs[t["model"]], t)
+        except Exception as e:  # transformers missing, say: a row that says so
+            rows.append({**published, "status": "failed", "reason": _why(e)})
+            log(f"torchtitan {t['table']}: failed: {e}")
+            continue
         predicted_gib = row.get("memory_bytes", math.nan) / 2**30
         rows.append(
             {
                 **row,
-                "params": fakerank.parameters(spec),
-                "table": t["table"],
-                "source": TORCHTITAN_SOURCE,
-                "published_tokens_per_s_per_gpu": t["tokens_per_s_per_gpu"],
+                **published,
                 "tps_error": row.get("tokens_per_s_per_gpu", math.nan) / t["tokens_per_s_per_gpu"]
                 - 1,
-                "published_memory_gib": t["memory_gib"],
                 "predicted_memory_gib": predicted_gib,
                 "memory_error": predicted_gib / t["memory_gib"] - 1,
-                "not_modelled": t["not_modelled"],
             }
         )
         log(
@@ -688,3 +736,26 @@ def check_torchtitan(gpu: GPU, fabric: Fabric, log: Callable[[str], None] = prin
             f"against {t['memory_gib']}"
         )
     return rows
+
+
+def _torchtitan_row(searcher: Search, spec: ModelSpec, t: dict) -> dict:
+    """One published run's layout, measured and predicted as any candidate."""
+    from parabench import fakerank, models
+
+    c = Candidate(
+        t["model"],
+        t["gpus"],
+        t["pp"],
+        1,
+        t["dp_shard"],
+        t["tp"],
+        t["ac"],
+        t["micro"],
+        t["accumulation"],
+        t["zero"],
+        t["schedule"],
+    )
+    row = searcher.row(
+        c, models.facts(spec), c.micro * c.accumulation * c.dp, tokens_per_sample(spec)
+    )
+    return {**row, "params": fakerank.parameters(spec)}

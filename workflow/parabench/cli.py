@@ -509,11 +509,9 @@ def _advise(args: argparse.Namespace) -> int:
 
     large = max(adv["gpus"]) >= 64  # a few seconds of search below it: one process
     workers = args.workers or (envinfo.usable_cores() if large else 1)
-    try:
-        advise.run(config, gpu, fabric, args.out, workers=workers)
-    except Exception as e:  # a row that says why, so the report says it too
-        advise.write([{"status": "failed", "reason": f"{type(e).__name__}: {e}"[:500]}], args.out)
-        raise
+    # Each (model, N) and each torchtitan run that fails is a row saying why (advise.run,
+    # check_torchtitan): the tables are written whatever fails, and the report says it.
+    advise.run(config, gpu, fabric, args.out, workers=workers)
     print(f"advise: {args.out / 'advise.csv'} (gpu {gpu.name}, fabric {fabric.name})")
     if args.torchtitan or adv.get("torchtitan"):
         from parabench.records import TORCHTITAN_COLUMNS, write_rows

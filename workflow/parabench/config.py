@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import functools
 import itertools
+import json
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
@@ -414,6 +415,17 @@ def advise_problems(config: dict, workdir: Path | None = None) -> list[str]:
     if "global_batch" in adv and "global_tokens" in adv:
         out.append("advise: give global_batch or global_tokens, not both")
     return out
+
+
+def advise_measures(config: dict) -> list[str]:
+    """What advise.csv depends on, a line each (what the rule and the sweep rerun it on):
+    the advise settings and each advised model's entry (its sizes, its batch_size)."""
+    adv = config["advise"]
+    names = adv.get("models") or list(config["models"])
+    return [
+        json.dumps(adv, sort_keys=True),
+        *(json.dumps({n: config["models"][n]}, sort_keys=True) for n in names),
+    ]
 
 
 def collective_devices(config: dict) -> list[int]:

@@ -39,6 +39,7 @@ import contextlib
 import dataclasses
 import functools
 import itertools
+import sys
 import time
 from collections.abc import Iterator
 
@@ -149,26 +150,19 @@ def _nbytes(t: torch.Tensor) -> int:
 
 @functools.cache
 def _flop_formulas() -> dict:
-    """torch's FLOP formulas, with the CPU attention kernel's (torch has none for it)
-    and causal attention at half its square: flash kernels skip the masked half."""
+    """torch's FLOP formulas, with the CPU attention kernels' (torch has none for
+    them), and every attention kernel's causal call at half its square: flash kernels
+    skip the masked half."""
     from torch.utils import flop_counter as fc
 
     formulas = dict(fc.flop_registry)
     aten = torch.ops.aten
 
-    def causal(args, kwargs, count):
-        is_causal = kwargs.get("is_causal", args[4] if len(args) > 4 else False)
-        return count // 2 if is_causal else count
-
     def cpu_fwd(q, k, v, *args, out_val=None, **kwargs):
-        return causal((q, k, v, *args), kwargs, fc.sdpa_flop_count(q.shape, k.shape, v.shape))
+        return fc.sdpa_flop_count(q.shape, k.shape, v.shape)
 
-    def cpu_bwd(grad, q, k, v, out, lse, *args, out_val=None, **kwargs):
-        count = fc.sdpa_backward_flop_count(grad.shape, q.shape, k.shape, v.shape)
-        dropout = args[0] if args else kwargs.get("dropout_p", 0.0)
-        is_causal = args[1] if len(args) > 1 else kwargs.get("is_causal", False)
-        del dropout
-        return count // 2 if is_causal else count
+    def cpu_bwd(grad, q, k, v, *args, out_val=None, **kwargs):
+        return fc.sdpa_backward_flop_count(grad.shape, q.shape, k.shape, v.shape)
 
     for name, formula in (
         ("_scaled_dot_product_flash_attention_for_cpu", cpu_fwd),
@@ -176,25 +170,16 @@ def _flop_formulas() -> dict:
     ):
         if (op := getattr(aten, name, None)) is not None:
             formulas[op] = formula
-    # the GPU kernels: their causal flag halves the count as above
-    for name, at in (
-        ("_scaled_dot_product_flash_attention", 4),
-        ("_scaled_dot_product_efficient_attention", 5),
-        ("_scaled_dot_product_cudnn_attention", 5),
-    ):
-        if (op := getattr(aten, name, None)) is not None and op in formulas:
-            base = formulas[op]
-            formulas[op] = _halved(base, at)
     return formulas
 
 
-def _halved(base, at: int):
-    def formula(*args, out_val=None, **kwargs):
-        n = base(*args, out_val=out_val, **kwargs)
-        is_causal = kwargs.get("is_causal", args[at] if len(args) > at else False)
-        return n // 2 if is_causal else n
-
-    return formula
+def _is_causal(func, args, kwargs) -> bool:
+    """An attention call's `is_causal`, wherever its schema puts it."""
+    if "is_causal" in kwargs:
+        return bool(kwargs["is_causal"])
+    names = [a.name for a in func._schema.arguments]
+    i = names.index("is_causal") if "is_causal" in names else -1
+    return bool(args[i]) if 0 <= i < len(args) else False
 
 
 ATTENTION = "attention"
@@ -202,8 +187,10 @@ MATMUL = "matmul"
 MEMORY = "memory"
 
 
-Op = tuple[str, str, int, int]  # phase (STEP or OPTIMIZER), kind, FLOPs, bytes moved
-STEP, OPTIMIZER = "step", "optimizer"  # a micro-batch's forward and backward; the update
+Op = tuple[str, str, int, int]  # phase, kind, FLOPs, bytes moved
+# A micro-batch's forward and backward; a checkpointed block's forward again inside that
+# backward; the update.
+STEP, RECOMPUTE, OPTIMIZER = "step", "recompute", "optimizer"
 
 
 @dataclasses.dataclass
@@ -212,7 +199,6 @@ class Work:
     roofline prices each at its own bound), counted; its collectives by mesh dimension."""
 
     ops: collections.Counter = dataclasses.field(default_factory=collections.Counter)
-    recompute_flops: float = 0
     comm_by_dim: dict[str, dict[str, dict[str, float]]] = dataclasses.field(default_factory=dict)
 
     def flops(self, phase: str | None = None) -> float:
@@ -220,6 +206,10 @@ class Work:
 
     def op_count(self, phase: str | None = None) -> float:
         return sum(n for (p, *_), n in self.ops.items() if phase in (None, p))
+
+    @property
+    def recompute_flops(self) -> float:
+        return self.flops(RECOMPUTE)
 
 
 class Counting(TorchDispatchMode):
@@ -246,7 +236,7 @@ class Counting(TorchDispatchMode):
         formula = self.formulas.get(func) or self.formulas.get(packet)
         moved = sum(_nbytes(_local(t)) for t in _tensors((args, kwargs, out)))
         if formula is None:
-            self.work.ops[(self.phase, MEMORY, 0, moved)] += 1
+            self.work.ops[(self._phase(), MEMORY, 0, moved)] += 1
             return out
         local_kwargs = {
             k: _local(v) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()
@@ -254,10 +244,13 @@ class Counting(TorchDispatchMode):
         local_out = out if not isinstance(out, torch.Tensor) else _local(out)
         flops = int(formula(*local_args, out_val=local_out, **local_kwargs))
         kind = ATTENTION if "attention" in name else MATMUL
-        self.work.ops[(self.phase, kind, flops, moved)] += 1
-        if checkpointing.recomputing():
-            self.work.recompute_flops += flops
+        if kind == ATTENTION and _is_causal(func, args, kwargs):
+            flops //= 2
+        self.work.ops[(self._phase(), kind, flops, moved)] += 1
         return out
+
+    def _phase(self) -> str:
+        return RECOMPUTE if checkpointing.recomputing() else self.phase
 
     def _collective(self, func, name, args, kwargs, out) -> None:
         from torch.distributed._tools.fake_collectives import CollectiveOp, collective_ops
@@ -307,6 +300,8 @@ class Measured:
     boundary_bytes: int  # one micro-batch's activations leaving the last block
     blocks: int
     saved_bytes: int = 0  # activations saved for backward when the forward ends
+    block_saved_bytes: int = 0  # of which the repeated blocks saved (not the head's)
+    extended_from: tuple[int, int] | None = None  # the depths it was extended from
 
 
 @contextlib.contextmanager
@@ -315,11 +310,15 @@ def _fake_world(size: int) -> Iterator[None]:
 
     if dist.is_initialized():
         raise RuntimeError("fakerank: a process group is already initialised here")
+    # init_process_group wraps sys.excepthook to prefix "[rank0]:", again at each call:
+    # a search's hundreds of worlds would prefix a traceback hundreds of times.
+    hook = sys.excepthook
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=size)
     try:
         yield
     finally:
         dist.destroy_process_group()
+        sys.excepthook = hook
         from parabench.ranks import _forget_meshes
 
         _forget_meshes()
@@ -496,15 +495,23 @@ def measure(spec: ModelSpec, shape: Shape) -> Measured:
         r.boundary[0],
         len(r.model.blocks()),
         _saved(tracker),
+        _saved(tracker, checkpointing.repeated(r.model.blocks())),
     )
 
 
-def _saved(tracker) -> int:
+def _saved(tracker, modules: list[nn.Module] | None = None) -> int:
     """Activations saved for backward at the end of the forward: the largest of the
-    tracked modules' (the outermost one's), what each micro-batch a pipeline's stage
-    holds in flight adds (as ranks.saved_activations reads it)."""
+    tracked modules' (the outermost one's), as ranks.saved_activations reads it; or,
+    given `modules`, what their forwards added (each one's at its end less at its
+    start): what each micro-batch a pipeline's stage holds in flight adds."""
     from torch.distributed._tools.mem_tracker import _MemRefType, _ModState
 
+    def act(module, state) -> int:
+        taken = tracker.memory_tracking[module].snapshots.get(state, [])
+        return sum(snap.get(_MemRefType.ACT, 0) for snap in taken[-1].values()) if taken else 0
+
+    if modules is not None:
+        return sum(act(m, _ModState.POST_FW) - act(m, _ModState.PRE_FW) for m in modules)
     return max(
         (
             snap.get(_MemRefType.ACT, 0)
@@ -542,7 +549,7 @@ def extended(low: Measured, high: Measured, blocks: int) -> Measured:
         }
     cats = set(low.by_category) | set(high.by_category)
     by = {c: int(line(low.by_category.get(c, 0), high.by_category.get(c, 0))) for c in cats}
-    work = Work(ops, line(low.work.recompute_flops, high.work.recompute_flops), comm)
+    work = Work(ops, comm)
     return Measured(
         int(line(low.peak_bytes, high.peak_bytes)),
         by,
@@ -550,6 +557,8 @@ def extended(low: Measured, high: Measured, blocks: int) -> Measured:
         high.boundary_bytes,
         blocks,
         int(line(low.saved_bytes, high.saved_bytes)),
+        int(line(low.block_saved_bytes, high.block_saved_bytes)),
+        (low.blocks, high.blocks),
     )
 
 

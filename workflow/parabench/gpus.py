@@ -31,7 +31,7 @@ import dataclasses
 import json
 from pathlib import Path
 
-GiB = 2**30
+GiB, MiB = 2**30, 2**20
 
 
 class GPUError(ValueError):
@@ -72,9 +72,10 @@ PROFILES: dict[str, GPU] = {
         "h100",
         989e12,
         794.5e12,
-        80 * GiB,
+        81559 * MiB,
         3.35e12,
-        f"H100 SXM 80 GB HBM3 at 700 W: 989 TFLOP/s dense BF16, 3.35 TB/s (datasheet); "
+        f"H100 SXM 80 GB HBM3 at 700 W: 989 TFLOP/s dense BF16, 3.35 TB/s (datasheet), "
+        f"81,559 MiB (what the device reports); "
         f"achievable 794.5 TFLOP/s ({_MAMF}: 80.3% of peak); {_FA2_H100}",
         attention_flops=0.35 * 989e12,
     ),
@@ -94,9 +95,10 @@ PROFILES: dict[str, GPU] = {
         "h200",
         989e12,
         794.5e12,
-        141e9,
+        143771 * MiB,
         4.8e12,
-        "H200 SXM 141 GB HBM3e: 989 TFLOP/s dense BF16, 4.8 TB/s (datasheet); achievable "
+        "H200 SXM 141 GB HBM3e: 989 TFLOP/s dense BF16, 4.8 TB/s (datasheet), 143,771 MiB "
+        "(what the device reports); achievable "
         f"794.5 TFLOP/s ({_MAMF}, which lists H200 as H100's compute); {_FA2_H100}",
         attention_flops=0.35 * 989e12,
     ),
@@ -104,9 +106,10 @@ PROFILES: dict[str, GPU] = {
         "a100",
         312e12,
         271.2e12,
-        80 * GiB,
+        81920 * MiB,
         2.039e12,
-        "A100 SXM 80 GB HBM2e: 312 TFLOP/s dense BF16, 2,039 GB/s (datasheet); achievable "
+        "A100 SXM 80 GB HBM2e: 312 TFLOP/s dense BF16, 2,039 GB/s (datasheet), 81,920 MiB "
+        "(what the device reports); achievable "
         f"271.2 TFLOP/s ({_MAMF}: 86.9% of peak); attention 156 TFLOP/s (FlashAttention-2's "
         "paper: 50-73% of peak on A100, its lower end)",
         attention_flops=0.5 * 312e12,

@@ -137,7 +137,9 @@ def llama3_model(name: str, seq_len: int = 8192) -> dict:
 
 _NOT_FLOAT8 = (
     "torch.compile and Float8 were on in the run; advise prices eager BF16 (Float8 "
-    "matmuls run up to twice as fast, compile fuses the memory-bound ops)"
+    "matmuls run up to twice as fast, compile fuses the memory-bound ops). Sequence "
+    "parallelism: torchtitan's TP shards the activations between blocks over tp, "
+    "parabench's (transformers' plan) does not, so its TP ranks hold them whole"
 )
 
 # torchtitan's benchmarks/llama3_h100_202412_torchtitan.md: "Each host has 8 NVIDIA
@@ -196,6 +198,8 @@ TORCHTITAN_TABLES = (
         "not_modelled": _NOT_FLOAT8,
     },
     {
+        # torchtitan's pipeline_parallel_microbatches defaults to the stages (its
+        # config_manager.py at the benchmark's commit): 8 micro-batches of 4
         "table": "Table 5",
         "model": "llama3_405b",
         "gpus": 512,
@@ -203,8 +207,8 @@ TORCHTITAN_TABLES = (
         "tp": 8,
         "pp": 8,
         "ac": "full",
-        "micro": 1,
-        "accumulation": 32,
+        "micro": 4,
+        "accumulation": 8,
         "zero": 2,
         "schedule": "1f1b",
         "tokens_per_s_per_gpu": 100.0,

@@ -26,6 +26,7 @@ from parabench import doctor, lock, records
 from parabench.catalog import CATALOG, ONE_PROCESS
 from parabench.config import (
     ConfigError,
+    advise_measures,
     alone_ranks,
     cells,
     collective_bytes,
@@ -267,7 +268,7 @@ def _run_advise(config: dict, results: Path, force: bool) -> None:
     these curves (as the rule reruns it)."""
     table = results / "advise.csv"
     curves = results / "collectives.csv"
-    lines = [json.dumps(config["advise"], sort_keys=True)]
+    lines = advise_measures(config)
     if config["advise"]["fabric"] == "curves":
         lines.append(hashlib.sha256(curves.read_bytes()).hexdigest() if curves.exists() else "none")
     try:

@@ -29,7 +29,8 @@ rule advise:
         timed_cells=1,
         slurm_extra=slurm_extra,
     params:
-        measures=lambda wc: [json.dumps(ADVISE, sort_keys=True), COLLECTIVES_SETTINGS],
+        # what advise.csv depends on: the advise settings, the advised models, the curves'
+        measures=lambda wc: [*advise_measures(config), COLLECTIVES_SETTINGS],
         launch=lambda wc, input, output: shlex.join(
             advise_command(
                 config,

@@ -22,7 +22,7 @@ from parabench.config import (
     skipped,
 )
 from parabench import doctor, lock
-from parabench.config import measures, planned_specs
+from parabench.config import advise_measures, measures, planned_specs
 from parabench.launch import (
     advise_command,
     collectives_settings,

@@ -149,8 +149,11 @@ def _filters(env: jinja2.Environment) -> None:
     env.filters["ms"] = lambda v: num(v * 1e3 if isinstance(v, int | float) else v, "{:.2f} ms")
     env.filters["mib"] = lambda v: num(v / 2**20 if isinstance(v, int | float) else v, "{:.0f} MiB")
     env.filters["sci"] = lambda v: num(v, "{:.1e}")
-    env.filters["gib"] = lambda v: num(
-        v / 2**30 if isinstance(v, int | float) else v, "{:,.1f} GiB"
+    # GiB, or MiB below one (a CPU run's small models)
+    env.filters["gib"] = lambda v: (
+        num(v / 2**30, "{:,.1f} GiB")
+        if isinstance(v, int | float) and v >= 2**30
+        else num(v / 2**20 if isinstance(v, int | float) else v, "{:,.1f} MiB")
     )
     # a step of any length: ms below a second, s above
     env.filters["dur"] = lambda v: (

@@ -53,7 +53,7 @@ def _why(best: dict, usable: float, next_row: dict | None) -> str:
     )
     if next_row:
         slower = next_row["step_s"] / best["step_s"] - 1
-        text += f", {slower:.0%} faster than the next ({next_row['layout']}, ac {next_row['ac']})"
+        text += f"; the next ({next_row['layout']}, ac {next_row['ac']}) is {slower:.0%} slower"
     return text + f"; its step is bound by {best['binding']}."
 
 
@@ -61,13 +61,27 @@ def _sections(adv: pd.DataFrame) -> list[dict]:
     out = []
     for (model, n), group in adv.groupby(["model", "gpus"], sort=False):
         ok = group[group["status"] == "ok"]
+        if ok.empty and (group["status"] == "failed").any():  # nothing measured: why
+            out.append(
+                {
+                    "model": model,
+                    "gpus": int(n),
+                    "failed": rows(
+                        group[group["status"] == "failed"].drop_duplicates("reason").head(3)
+                    ),
+                }
+            )
+            continue
         fits = ok[ok["fits"].astype(str).str.lower() == "true"].sort_values("step_s")
         usable = None
         if len(ok):
             from parabench.advise import HEADROOM
 
             usable = float(ok["device_memory_bytes"].iloc[0]) * (1 - HEADROOM)
-        top = rows(fits.head(1 + RUNNERS_UP))
+        # one row per layout, checkpointing and micro-batch: a pipeline's two schedules
+        # cost the same step, and the first listed stands for both
+        distinct = fits.drop_duplicates(["layout", "ac", "micro_batch", "zero"])
+        top = rows(distinct.head(1 + RUNNERS_UP))
         best = top[0] if top else None
         section = {
             "model": model,
@@ -100,7 +114,7 @@ def playbook(model: str, n: int, group: pd.DataFrame, best: dict | None) -> dict
     size = "small" if p < 10e9 else "medium" if p <= 100e9 else None
     if n >= 1024:
         size = "large"
-    if size is None or (size == "small" and n != 8):
+    if size is None or (size == "small" and n != 8) or (size == "medium" and n <= 8):
         return None
     return {"params": p, "guidance": PLAYBOOK[size]}
 
@@ -114,10 +128,14 @@ def ranking(adv: pd.DataFrame, summary: pd.DataFrame) -> list[dict]:
     measured = summary[(summary["status"] == "ok") & (summary["ac"] == "none")]
     for (model, n), group in ok.groupby(["model", "gpus"]):
         mine = measured[(measured["model"] == model) & (measured["devices"] == n)]
+        # the same step: variant, and the global batch (weak scaling's differs)
         mine = mine[
             (mine["precision"] == group["precision"].iloc[0])
             & (mine["optimizer"] == group["optimizer"].iloc[0])
+            & (mine["global_batch"] == group["global_batch"].iloc[0])
         ]
+        if "compile" in mine:  # advise prices an eager step
+            mine = mine[mine["compile"].astype(str).str.lower() != "true"]
         pairs = []
         for _, row in mine.iterrows():
             rec = record(row["strategy"])
