@@ -32,7 +32,10 @@ PLAYBOOK = {
 
 
 def _gib(x) -> str:
-    return "?" if x is None or pd.isna(x) else f"{x / 2**30:,.1f} GiB"
+    """GiB, or MiB below one (as the template's `gib`)."""
+    if x is None or pd.isna(x):
+        return "?"
+    return f"{x / 2**30:,.1f} GiB" if x >= 2**30 else f"{x / 2**20:,.1f} MiB"
 
 
 def _why(best: dict, usable: float, next_row: dict | None) -> str:
@@ -84,6 +87,7 @@ def _sections(adv: pd.DataFrame) -> list[dict]:
         top = rows(distinct.head(1 + RUNNERS_UP))
         best = top[0] if top else None
         section = {
+            "failed": [],
             "model": model,
             "gpus": int(n),
             "gpu": ok["gpu"].iloc[0] if len(ok) else "",
