@@ -91,6 +91,7 @@ def names_a_key(message: str) -> bool:
     """A problem message starts with the key at fault: 'steps: ...', 'models.x.dims: ...',
     or a model's own key ('batch_size: ...'), followed by the models it concerns."""
     key = re.split(r"[:\s]", message, maxsplit=1)[0]
+    key = re.sub(r"\[\d+\]", "", key)  # a list's item: also[0].model is also.model
     return key.split(".")[0] in TOP_KEYS or (key in MODEL_KEYS and "models." in message)
 
 
