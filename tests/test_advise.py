@@ -103,12 +103,14 @@ def _flat(comm: dict) -> dict:
 )
 def test_a_deep_stage_measured_at_a_few_depths_is_the_stage_measured_whole(shape):
     """Identical blocks hold and do the same: extended from a few depths to 9 blocks,
-    every figure is the one measured at 9 (the peak to 0.5%, the rest exactly); then a
-    second micro-batch of the same shape, measured at the depth the first settled at."""
+    every figure is the one measured at 9 (the peak to 0.5%, the rest exactly); then
+    another micro-batch and checkpointing of the same shape, measured at the depth the
+    first settled at."""
     spec = LLAMA
     fakerank._SETTLED.clear()
-    for micro in (shape.micro, shape.micro * 2):
-        at = dataclasses.replace(shape, micro=micro)
+    other = {"none": "full", "full": "selective", "selective": "none"}[shape.ac]
+    for micro, ac in ((shape.micro, shape.ac), (shape.micro * 2, other)):
+        at = dataclasses.replace(shape, micro=micro, ac=ac)
         ext = fakerank.at_blocks(spec, at, 9)
         whole = fakerank.measure(spec, dataclasses.replace(at, blocks=9))
         assert ext.peak_bytes == pytest.approx(whole.peak_bytes, rel=0.005)
@@ -117,7 +119,7 @@ def test_a_deep_stage_measured_at_a_few_depths_is_the_stage_measured_whole(shape
         assert ext.work.op_count() == pytest.approx(whole.work.op_count())
         assert ext.work.recompute_flops == pytest.approx(whole.work.recompute_flops)
         assert _flat(ext.work.comm_by_dim) == pytest.approx(_flat(whole.work.comm_by_dim))
-    assert fakerank._SETTLED, "the first micro-batch's depth was kept for the second"
+    assert fakerank._SETTLED, "the first option's depth was kept for the second"
 
 
 @pytest.mark.parametrize(

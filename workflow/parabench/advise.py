@@ -109,10 +109,11 @@ def _powers_of_two(n: int) -> list[int]:
 
 def candidates(
     name: str, facts, n: int, gpus_per_node: int, global_batch: int, depth: int | None
-) -> Iterator[Candidate | tuple[Candidate | dict, str]]:
-    """Every candidate layout at n GPUs; one that cannot run as (it, or its degrees,
-    and why) instead. A pipeline's stages each hold at least one of the model's `depth`
-    repeated blocks (None: a model whose stage advise cannot build, so no pipeline)."""
+) -> Iterator[Candidate | tuple]:
+    """Every candidate layout at n GPUs; one that cannot run, or need not be measured,
+    as (it, or its degrees; why; its status) instead. A pipeline's stages each hold at
+    least one of the model's `depth` repeated blocks (None: a model whose stage advise
+    cannot build, so no pipeline)."""
     for tp in _divisors(min(n, gpus_per_node)):
         if n % tp:
             continue
@@ -127,6 +128,7 @@ def candidates(
                     {"pp": pp, "dp_replicate": 1, "dp_shard": dp, "tp": tp},
                     f"the global batch of {global_batch} does not split over {dp} "
                     "data-parallel ranks",
+                    "skipped",
                 )
                 continue
             local = global_batch // dp
@@ -163,10 +165,16 @@ def candidates(
                                 if schedule == "1f1b" and c.accumulation < pp:
                                     yield (
                                         c,
-                                        (
-                                            f"1F1B needs a micro-batch per stage: {c.accumulation} "
-                                            f"for {pp} stages (torch's Schedule1F1B refuses it)"
-                                        ),
+                                        f"1F1B needs a micro-batch per stage: {c.accumulation} "
+                                        f"for {pp} stages (torch's Schedule1F1B refuses it)",
+                                        "skipped",
+                                    )
+                                elif schedule == "gpipe" and c.accumulation >= pp:
+                                    yield (
+                                        c,
+                                        "not measured: 1F1B runs this step with the same "
+                                        "bubble, holding fewer micro-batches' activations",
+                                        "inferred",
                                     )
                                 else:
                                     yield c
@@ -406,23 +414,34 @@ def _search_family(
             done[(ac, micro)] = search.row(by[(ac, micro)], facts, global_batch, tokens)
         return bool(done[(ac, micro)].get("fits"))
 
+    def slower(ac: str, micro: int) -> bool:
+        """Whether this fitting option's step is longer than a smaller micro-batch's
+        that fits (at any level): past it, a pipeline's bubble grows faster than its
+        passes shrink."""
+        smaller = [r["step_s"] for (_, m), r in done.items() if m < micro and r.get("fits")]
+        return bool(smaller) and done[(ac, micro)]["step_s"] > min(smaller)
+
     def failed(ac: str, micro: int) -> str:
         got = done.get((ac, micro), {})
         return got.get("reason", "") if got.get("status") == "failed" else ""
 
     best: dict[str, int | None] = {}
+    stopped: dict[str, int] = {}  # a pipeline's level: the micro-batch its scan stopped at
     lightest = fits("full", micros[0])
     if lightest:
         floor = 0  # a lighter level's largest fit: below it, that level is faster
         pipelined = cands[0].pp > 1
         for ac in AC_ORDER:
             above = [m for m in micros if m > floor]
-            if pipelined:  # every micro-batch that fits, from the smallest up
+            if pipelined:  # from the smallest micro-batch up, while steps shorten
                 best[ac] = None
                 for m in above:
                     if not fits(ac, m):
                         break
                     best[ac] = m
+                    if slower(ac, m):
+                        stopped[ac] = m  # a larger one only grows the bubble further
+                        break
             else:
                 best[ac] = _largest_fit(above, lambda m, ac=ac: fits(ac, m)) if above else None
             floor = max(floor, best[ac] or 0)
@@ -442,9 +461,10 @@ def _search_family(
                 reason=f"does not fit: nor does micro-batch {micros[0]} with full "
                 "checkpointing (measured)",
             )
-        elif best.get(c.ac) is not None and c.micro < best[c.ac]:
+        elif c.ac in stopped and c.micro > stopped[c.ac]:
             row.update(
-                fits=True, reason=f"fits, and micro-batch {best[c.ac]} fits too, with fewer passes"
+                reason=f"not measured: at ac {c.ac}, micro-batch {stopped[c.ac]}'s step is "
+                "already longer than a smaller one's, and a larger one only grows the bubble"
             )
         elif lighter := [
             a for a in AC_ORDER[: AC_ORDER.index(c.ac)] if (best.get(a) or 0) >= c.micro
@@ -452,6 +472,10 @@ def _search_family(
             row.update(
                 fits=True,
                 reason=f"fits: ac {lighter[0]} fits at this micro-batch, with less recompute",
+            )
+        elif best.get(c.ac) is not None and c.micro < best[c.ac]:
+            row.update(
+                fits=True, reason=f"fits, and micro-batch {best[c.ac]} fits too, with fewer passes"
             )
         elif smaller and (why := failed(c.ac, smaller[-1])):
             row.update(
@@ -504,10 +528,10 @@ def search(
     families: dict[tuple, list[Candidate]] = {}
     for c in candidates(name, facts, n, gpus_per_node, global_batch, depth):
         if isinstance(c, tuple):
-            what, why = c
+            what, why, status = c
             if isinstance(what, Candidate):
                 rows.append(
-                    {**search.base(what, global_batch, tokens), "status": "skipped", "reason": why}
+                    {**search.base(what, global_batch, tokens), "status": status, "reason": why}
                 )
                 continue
             dp = what["dp_shard"]
@@ -518,7 +542,7 @@ def search(
                     "gpus": n,
                     "layout": layout,
                     **what,
-                    "status": "skipped",
+                    "status": status,
                     "reason": why,
                 }
             )

@@ -570,9 +570,10 @@ SETTLED = 0.01
 
 
 # The depth from which a rank's blocks each added the same, by its shape less its
-# micro-batch: a micro-batch scales the activations and the loss's buffers alike, so a
-# shape's other micro-batches settle there too (tests/test_advise.py), and are measured
-# at that depth and the next only.
+# micro-batch and checkpointing: a micro-batch scales the activations and the loss's
+# buffers alike, and checkpointing shrinks what each block keeps, not where the peak
+# falls, so the shape's other options settle there too (tests/test_advise.py), and are
+# measured at that depth and the next only.
 _SETTLED: dict[tuple, int] = {}
 
 
@@ -586,7 +587,7 @@ def at_blocks(spec: ModelSpec, shape: Shape, blocks: int) -> Measured:
         return measure(spec, dataclasses.replace(shape, blocks=0))
     if blocks <= FIRST_PROBE + 1:
         return measure(spec, dataclasses.replace(shape, blocks=blocks))
-    key = (spec, dataclasses.replace(shape, micro=0, blocks=0))
+    key = (spec, dataclasses.replace(shape, micro=0, ac="", blocks=0))
     if (k := _SETTLED.get(key)) and k + 1 < blocks:
         low, high = (measure(spec, dataclasses.replace(shape, blocks=b)) for b in (k, k + 1))
         return extended(low, high, blocks)
