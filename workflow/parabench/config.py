@@ -368,16 +368,23 @@ def plan_problems(config: dict, workdir: Path | None = None) -> list[str]:
     for s in plan.get("strategies") or []:
         if s not in STRATEGIES:
             out.append(f"plan.strategies: unknown strategy {s!r}; known: {list(STRATEGIES)}")
-    fabric = plan.get("fabric", "curves")
+    out += fabric_problems("plan", plan.get("fabric", "curves"), config, workdir)
+    return out
+
+
+def fabric_problems(key: str, fabric: str, config: dict, workdir: Path | None) -> list[str]:
+    """Why `key`.fabric cannot be used: curves with no collectives benchmark to read,
+    or neither a profile nor an nccl-tests file."""
+    out = []
     if fabric == "curves" and not [n for n in collective_devices(config) if n > 1]:
         out.append(
-            "plan.fabric: curves needs a collectives benchmark, and no cell of this config "
+            f"{key}.fabric: curves needs a collectives benchmark, and no cell of this config "
             "runs more than one rank: name a profile or an nccl-tests output file"
         )
     known = ("curves", *PROFILES)
     if fabric not in known and not (Path(workdir or ".") / fabric).is_file():
         out.append(
-            f"plan.fabric: {fabric!r} is neither {', '.join(known)} nor an existing "
+            f"{key}.fabric: {fabric!r} is neither {', '.join(known)} nor an existing "
             "nccl-tests output file"
         )
     return out
@@ -400,18 +407,7 @@ def advise_problems(config: dict, workdir: Path | None = None) -> list[str]:
     gpu = adv["gpu"]
     if gpu not in NAMES and (why := problem(str(Path(workdir or ".") / gpu))):
         out.append(f"advise.gpu: {gpu!r}: {why}")
-    fabric = adv.get("fabric", "h100-nvlink-ndr400")
-    if fabric == "curves" and not [n for n in collective_devices(config) if n > 1]:
-        out.append(
-            "advise.fabric: curves needs a collectives benchmark, and no cell of this config "
-            "runs more than one rank: name a profile or an nccl-tests output file"
-        )
-    known = ("curves", *PROFILES)
-    if fabric not in known and not (Path(workdir or ".") / fabric).is_file():
-        out.append(
-            f"advise.fabric: {fabric!r} is neither {', '.join(known)} nor an existing "
-            "nccl-tests output file"
-        )
+    out += fabric_problems("advise", adv.get("fabric", "h100-nvlink-ndr400"), config, workdir)
     if "global_batch" in adv and "global_tokens" in adv:
         out.append("advise: give global_batch or global_tokens, not both")
     return out
