@@ -239,3 +239,79 @@ def test_dataparallel_replicas_compute_in_bf16_in_their_own_threads():
     # Parameter names as in the unwrapped model, which the equivalence check compares.
     names = set(strategy.full_state())
     assert names == {k for k, _ in build(spec.model, 0).module.named_parameters()}
+
+
+# --- 4. A host with fewer GPUs than the cell's ranks there ----------------------------
+
+# One rank of a 2-rank ddp cell on CUDA, on a host where torch sees one GPU. This CPU
+# build stands in for CUDA's answers (one device, available), and init_process_group
+# answers as torch does on CUDA: a device_id without an index is refused ("Please use a
+# device_id with index"), a bound one gets a gloo group here (no NCCL in this build).
+PAST_SCRIPT = """
+import json, os, sys
+from pathlib import Path
+import torch
+import torch.distributed as dist
+from parabench import cell, cli
+from parabench.spec import RunSpec
+
+torch.cuda.is_available = lambda: True
+torch.cuda.device_count = lambda: 1
+torch.cuda.set_device = lambda device: None
+torch.cuda.get_device_name = lambda *a: "stand-in"
+torch.cuda.nccl.version = lambda: (2, 21, 5)
+real_init = dist.init_process_group
+
+def init(backend=None, *args, device_id=None, **kwargs):
+    if device_id is not None and device_id.index is None:
+        raise ValueError("Please use a device_id with index")
+    return real_init("gloo", *args, **kwargs)
+
+dist.init_process_group = init
+code = cell.run_cell(RunSpec.from_dict(json.loads(sys.argv[1])), Path(sys.argv[2]))
+cli.exit_now(code)
+"""
+
+
+def test_a_host_with_fewer_gpus_than_ranks_skips_the_cell(tmp_path):
+    script = tmp_path / "rank.py"
+    script.write_text(PAST_SCRIPT)
+    out = tmp_path / "cell"
+    spec = tiny_spec("ddp", 2, device="cuda")
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            str(script),
+            json.dumps(spec.to_dict()),
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        cwd=REPO,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    meta = json.loads((out / "meta.json").read_text())
+    assert meta["status"] == "skipped", (meta.get("reason"), proc.stderr[-2000:])
+    assert "needs 2 CUDA devices on this host" in meta["reason"]
+    assert "1 visible" in meta["reason"]
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+# --- 5. device: auto is CUDA where torch is a CUDA build ------------------------------
+
+
+def test_auto_on_a_cuda_build_takes_the_cuda_launch_path(monkeypatch):
+    from parabench import envinfo
+
+    one = tiny_spec("ddp", 1, device="auto")
+    monkeypatch.setattr(envinfo, "_build", lambda: ("2.13.0", "12.8"))
+    assert one.torchrun  # the one rank starts as n ranks do: agent, fork, NCCL bound
+    monkeypatch.setattr(envinfo, "_build", lambda: ("2.13.0", None))
+    assert not one.torchrun  # a CPU build: a plain process, as device: cpu
+    assert tiny_spec("ddp", 1, device="cuda").torchrun

@@ -51,7 +51,7 @@ def test_one_process_driving_n_gpus_needs_all_n(monkeypatch):
         ctx = Context(0, 1, 0, torch.device("cuda", 0), 1, False)
         reason = strategies.get(name).skip_reason(spec, ctx)
         assert reason is not None and "1 visible" in reason, name
-        assert strategies.get(name).cuda_devices_needed(spec, ctx) == 4, name
+        assert spec.cuda_devices_per_host(ctx.local_world) == 4, name
     single = tiny_spec("single", 1, device="cuda")
     assert strategies.get("single").skip_reason(single, cuda_ctx(1, local_world=1)) is None
 

@@ -197,10 +197,11 @@ def test_the_gpu_check_ends_listing_the_cuda_paths_it_ran(tmp_path):
     from parabench.sweep import cuda_paths
 
     row = {"status": "ok", "device_type": "cuda", "precision": "bf16", "compile": False}
+    agent = "python -m parabench.torchrun --standalone --nproc-per-node 1 -m parabench run"
     cells_csv = pd.DataFrame(
         [
-            {**row, "strategy": "single", "devices": 1},
-            {**row, "strategy": "ddp", "devices": 1},
+            {**row, "strategy": "single", "devices": 1, "launch_command": "python -m parabench"},
+            {**row, "strategy": "ddp", "devices": 1, "launch_command": agent},
             {**row, "strategy": "dp", "devices": 2, "status": "skipped"},
         ]
     )
@@ -220,6 +221,12 @@ def test_the_gpu_check_ends_listing_the_cuda_paths_it_ran(tmp_path):
     assert status("NCCL between GPUs: DDP, ZeRO-1, FSDP2, TP, pipeline") == "not run"
     assert "needs 2 GPUs" in next(x for x in lines if "between GPUs" in x)
     assert status("torch.compile on CUDA (Triton)") == "not run"
+    # A rank that ran in a process group without the agent (device: auto, one rank, as
+    # it once started) did not run the agent's path, whatever its group was.
+    cells_csv.loc[1, "launch_command"] = "python -m parabench run"
+    cells_csv.to_csv(tmp_path / "cells.csv", index=False)
+    lines = cuda_paths(tmp_path)
+    assert status("torchrun agent, forked rank, NCCL group bound to its GPU") == "not run"
 
 
 def test_the_collectives_benchmark_at_one_rank_claims_no_bus_bandwidth(tmp_path):

@@ -211,14 +211,10 @@ def in_flight(c: Candidate) -> int:
 
 def predict(c: Candidate, m, gpu: GPU, fabric: Fabric, tokens_per_sample: int) -> dict:
     """The step of candidate `c` from its rank's measurement `m` (fakerank.Measured)."""
-    from parabench.fakerank import ATTENTION, OPTIMIZER, RECOMPUTE, STEP
+    from parabench.fakerank import OPTIMIZER, RECOMPUTE, STEP
 
     def seconds(phase: str) -> float:
-        return sum(
-            n * gpu.op_time(flops, nbytes, kind == ATTENTION)
-            for (p, kind, flops, nbytes), n in m.work.ops.items()
-            if p == phase
-        )
+        return m.work.seconds(gpu, phase)
 
     a = c.accumulation
     slicing = max(1.0, c.gpus / gpu.cores) if gpu.cores else 1.0  # ranks sharing cores

@@ -143,6 +143,20 @@ def _parser() -> argparse.ArgumentParser:
     )
     adv.add_argument("--out", type=Path, required=True, help="directory for advise.csv")
 
+    reh = sub.add_parser(
+        "rehearse",
+        help="every cell at its real size on fake tensors (fake CUDA for a GPU config), "
+        "before anything is queued: rehearsal.csv",
+    )
+    reh.add_argument("config", type=Path, nargs="?", help="a workflow config file")
+    reh.add_argument("--config-json", default="", help="the workflow config, as JSON")
+    reh.add_argument(
+        "--gpu", help="the GPU each rank's peak is set against (default: rehearse.gpu)"
+    )
+    reh.add_argument(
+        "--out", type=Path, help="directory for rehearsal.csv (default: the config's results)"
+    )
+
     doc = sub.add_parser("doctor", help="check this environment can run a config, one line each")
     doc.add_argument(
         "config", type=Path, nargs="?", help="a workflow config file (default config/config.yaml)"
@@ -249,6 +263,8 @@ def main(argv: list[str] | None = None) -> int:
         return _ranks(args)
     if args.command == "doctor":
         return _doctor(args)
+    if args.command == "rehearse":
+        return _rehearse(args)
     if args.command == "sweep":
         from parabench.sweep import main as sweep
 
@@ -394,6 +410,40 @@ def _doctor(args: argparse.Namespace) -> int:
         print(f"parabench doctor: {len(bad)} check(s) failed", file=sys.stderr)
         return 1
     return 0
+
+
+def _rehearse(args: argparse.Namespace) -> int:
+    """The rehearsal (rehearse.py): 0 when every cell can run, 1 when some cannot, 2 when
+    it could not rehearse at all."""
+    import json
+
+    import yaml
+
+    from parabench import fakecuda
+    from parabench.config import ConfigError
+
+    try:  # the fake CUDA device loads before anything imports torch (a factory may)
+        raw = json.loads(args.config_json) if args.config_json else None
+        if raw is None and args.config:
+            raw = yaml.safe_load(args.config.read_text())
+        how = "fake tensors on the CPU"
+        if (raw or {}).get("device", "auto") != "cpu":
+            how = fakecuda.install()
+        config = _config(args)
+    except (ConfigError, OSError, fakecuda.Unavailable) as e:
+        print(f"parabench rehearse: {e}", file=sys.stderr)
+        return 2
+    from parabench import rehearse
+
+    out = args.out or Path(config["results"])
+    out.mkdir(parents=True, exist_ok=True)
+    print(f"rehearse: CUDA stands in as {how}", flush=True)
+    print("rehearse: not rehearsed: " + "; ".join(rehearse.LIMITS.values()), flush=True)
+    gpu = args.gpu or config["rehearse"]["gpu"]
+    rows = rehearse.run(config, out, gpu, log=lambda line: print(line, flush=True))
+    for line in rehearse.summary(rows):
+        print(f"rehearse: {line}", flush=True)
+    return 1 if rehearse.refused(rows) else 0
 
 
 def _unlock(results: Path) -> int:

@@ -295,6 +295,7 @@ def problems(config: dict, workdir: Path | None = None) -> list[str]:
         return out
     out += plan_problems(config, workdir)
     out += advise_problems(config, workdir)
+    out += rehearse_problems(config, workdir)
     if out:
         return out
     # A rule broken by every cell (warmup >= steps) is said once; one broken by some
@@ -411,6 +412,20 @@ def advise_problems(config: dict, workdir: Path | None = None) -> list[str]:
     if "global_batch" in adv and "global_tokens" in adv:
         out.append("advise: give global_batch or global_tokens, not both")
     return out
+
+
+def rehearse_problems(config: dict, workdir: Path | None = None) -> list[str]:
+    """rehearse.gpu: a GPU profile or a readable profile file (not this host)."""
+    from parabench.gpus import PROFILES, THIS_MACHINE, problem
+
+    gpu = (config.get("rehearse") or {}).get("gpu", "h100")
+    if gpu in PROFILES:
+        return []
+    if gpu == THIS_MACHINE:
+        return [f"rehearse.gpu: {gpu!r} prices this host; name the GPU the cells run on"]
+    if why := problem(str(Path(workdir or ".") / gpu)):
+        return [f"rehearse.gpu: {gpu!r}: {why}"]
+    return []
 
 
 def advise_measures(config: dict) -> list[str]:

@@ -25,8 +25,6 @@ a login node answers the rest in milliseconds.
 
 from __future__ import annotations
 
-import ast
-import importlib.util
 import os
 import shutil
 import subprocess
@@ -37,6 +35,7 @@ import yaml
 
 from parabench import checks, models
 from parabench.config import cells
+from parabench.envinfo import runs_on_cuda, torch_build
 
 OK, WARN, FAIL, LATER = "ok", "warn", "FAIL", "later"
 # What one cell leaves on disk besides its parameters (steps.csv, meta.json, one trace
@@ -52,23 +51,6 @@ class Check:
 
     def line(self) -> str:
         return f"{self.status:>5}  {self.name}: {self.detail}"
-
-
-def torch_build() -> tuple[str | None, str | None]:
-    """(torch's version, its CUDA (or ROCm) version or None for a CPU build), read from
-    the installed torch/version.py without importing torch (seconds on a login node)."""
-    spec = importlib.util.find_spec("torch")
-    if spec is None or spec.origin is None:
-        return None, None
-    values: dict[str, object] = {}
-    source = (Path(spec.origin).parent / "version.py").read_text()
-    for node in ast.parse(source).body:
-        target = getattr(node, "target", None) or (getattr(node, "targets", None) or [None])[0]
-        if isinstance(target, ast.Name) and isinstance(node.value, ast.Constant):
-            values[target.id] = node.value.value
-    # ROCm's torch is a GPU build too, driven through torch.cuda
-    gpu = values.get("cuda") or (f"ROCm {values['hip']}" if values.get("hip") else None)
-    return values.get("__version__"), gpu  # type: ignore[return-value]
 
 
 def _runnable(config: dict) -> list:
@@ -103,7 +85,7 @@ def check_compiler(config: dict) -> Check | None:
     if not any(s.compile for s in _runnable(config)):
         return None
     # Triton builds its launcher with a C compiler; Inductor's CPU code is C++.
-    cuda = config["device"] == "cuda"
+    cuda = runs_on_cuda(config["device"])
     names = ("CC", "cc", "gcc", "clang") if cuda else ("CXX", "c++", "g++", "clang++")
     found = [os.environ.get(names[0])] + [shutil.which(n) for n in names[1:]]
     if path := next((p for p in found if p), None):
@@ -180,7 +162,7 @@ def check_slurm(config: dict, res: dict[str, str]) -> Check:
                 "slurm", FAIL, f"partition {part!r} (slurm_partition) is not known to sinfo"
             )
         gres = got.stdout.split()  # the generic resources (%G) of each group of its nodes
-        if config["device"] == "cuda" and not any(g.startswith("gpu") for g in gres):
+        if runs_on_cuda(config["device"]) and not any(g.startswith("gpu") for g in gres):
             return Check("slurm", FAIL, f"partition {part!r} has no GPUs (sinfo %G: {gres[0]})")
     if missing:
         return Check(
@@ -288,7 +270,7 @@ def run_checks(
     found.append(check_disk(config, workdir))
     if slurm is not None:
         found.append(check_slurm(config, slurm))
-    if config["device"] == "cuda":
+    if runs_on_cuda(config["device"]):
         if gpus is None:
             gpus = slurm is None
         if gpus:
@@ -302,7 +284,44 @@ def run_checks(
                     "runs every check there, and each cell checks its own node",
                 )
             )
+    # A minute where the rest take seconds: once nothing else refuses the run.
+    if rehearses(config) and not failed(found):
+        found.append(check_rehearsal(config, workdir))
     return found
+
+
+def rehearses(config: dict) -> bool:
+    """Whether the preflight rehearses this config's GPU run (rehearse.py): a cuda
+    config, or an auto one where torch is a CUDA build (it will find GPUs), unless
+    rehearse.enabled is off. A CPU config's cells are their own rehearsal."""
+    return config["rehearse"]["enabled"] and runs_on_cuda(config["device"])
+
+
+def check_rehearsal(config: dict, workdir: Path, python: str | None = None) -> Check:
+    """Every cell of the config at its real size on fake tensors of its device (rehearse
+    .py), in a process of its own: FAIL where a cell fails there or a rank's peak does
+    not fit rehearse.gpu, unless rehearse.failing is run (then WARN: those cells run
+    and record their own failure)."""
+    from parabench import rehearse
+
+    settings = config["rehearse"]
+    out = workdir / config["results"]
+    rows, why = rehearse.in_child(config, out, settings["gpu"], python, cwd=workdir)
+    if why:
+        return Check("rehearsal", FAIL, why)
+    lines = rehearse.summary(rows)
+    detail = f"{len(rows)} ranks on fake {rehearse.device_type(config)} ({settings['gpu']}): "
+    detail += "; ".join(lines) + f" ({config['results']}/rehearsal.csv)"
+    if not rehearse.refused(rows):
+        return Check("rehearsal", OK, detail)
+    if settings["failing"] == "run":
+        return Check("rehearsal", WARN, detail + "; they run (rehearse.failing: run)")
+    return Check(
+        "rehearsal",
+        FAIL,
+        detail + "; refused before any job: fix or drop those cells, or set "
+        "rehearse.failing: run to run them anyway",
+    )
 
 
 def failed(found: list[Check]) -> list[Check]:
@@ -328,7 +347,7 @@ def in_child(
     if slurm is not None:
         argv += ["--slurm-resources", json.dumps(slurm)]
     try:
-        got = subprocess.run(argv, capture_output=True, text=True, timeout=300, cwd=cwd)
+        got = subprocess.run(argv, capture_output=True, text=True, timeout=1200, cwd=cwd)
     except (OSError, subprocess.TimeoutExpired) as e:
         return [f"{FAIL:>5}  doctor: could not run `{python} -m parabench doctor`: {e}"], False
     lines = got.stdout.splitlines()

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import ast
+import functools
+import importlib.util
 import os
 import platform
 import re
@@ -175,3 +178,31 @@ def describe(device_type: str) -> dict:
         },
         "gpu_topology": gpu_topology() if device_type == "cuda" else None,
     }
+
+
+def runs_on_cuda(device: str) -> bool:
+    """Whether a config's `device` means CUDA on this host: cuda, or auto where torch is
+    a GPU build (CUDA or ROCm), which finds the GPUs where the cells run."""
+    return device == "cuda" or (device == "auto" and _build()[1] is not None)
+
+
+@functools.cache
+def _build() -> tuple[str | None, str | None]:
+    return torch_build()
+
+
+def torch_build() -> tuple[str | None, str | None]:
+    """(torch's version, its CUDA (or ROCm) version or None for a CPU build), read from
+    the installed torch/version.py without importing torch (seconds on a login node)."""
+    spec = importlib.util.find_spec("torch")
+    if spec is None or spec.origin is None:
+        return None, None
+    values: dict[str, object] = {}
+    source = (Path(spec.origin).parent / "version.py").read_text()
+    for node in ast.parse(source).body:
+        target = getattr(node, "target", None) or (getattr(node, "targets", None) or [None])[0]
+        if isinstance(target, ast.Name) and isinstance(node.value, ast.Constant):
+            values[target.id] = node.value.value
+    # ROCm's torch is a GPU build too, driven through torch.cuda
+    gpu = values.get("cuda") or (f"ROCm {values['hip']}" if values.get("hip") else None)
+    return values.get("__version__"), gpu  # type: ignore[return-value]

@@ -211,6 +211,14 @@ class Work:
     def recompute_flops(self) -> float:
         return self.flops(RECOMPUTE)
 
+    def seconds(self, gpu: GPU, phase: str | None = None) -> float:
+        """Its ops' time on `gpu`, each at its own roofline bound (GPU.op_time)."""
+        return sum(
+            n * gpu.op_time(flops, nbytes, kind == ATTENTION)
+            for (p, kind, flops, nbytes), n in self.ops.items()
+            if phase in (None, p)
+        )
+
 
 class Counting(TorchDispatchMode):
     """Every op of a step, as one rank runs it (see the module's docstring)."""
@@ -319,9 +327,9 @@ def _fake_world(size: int) -> Iterator[None]:
     finally:
         dist.destroy_process_group()
         sys.excepthook = hook
-        from parabench.ranks import _forget_meshes
+        from parabench.runtime import forget_meshes
 
-        _forget_meshes()
+        forget_meshes()
 
 
 _BUILT = itertools.count()
@@ -466,6 +474,17 @@ def _tracker_class() -> type:
         """torch's MemTracker keeping its step-wide peak only: its per-module peaks,
         which advise reads none of, cost a pass over every module after every op (a
         third of a fake step). Its snapshots at each module's end of forward stay."""
+
+        def _pre_fw_hook(self, module, inputs) -> None:
+            # The root called again within the step (gradient accumulation's and a
+            # pipeline's micro-batches: what the rehearsal runs), which MemTracker
+            # refuses as a next iteration: its per-module stats start again; the
+            # step-wide peak, all that is read of them there, stays.
+            name = self._mod_tracker.get_known_fqn(module)
+            again = module in self.memory_tracking and not self._mod_tracker.is_bw
+            if again and set(self._mod_tracker.parents) - {name} == {"Global"}:
+                self.reset_mod_stats()
+            super()._pre_fw_hook(module, inputs)
 
         def _update_peak_stats(self, peak_state) -> None:
             for dev, snap in self._curr_mem_snap.items():

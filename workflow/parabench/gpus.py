@@ -116,6 +116,19 @@ PROFILES: dict[str, GPU] = {
     ),
 }
 
+# What the memory tracker does not see on a GPU, kept free: the caching allocator's
+# reserve over allocated (fragmentation), the CUDA context and NCCL's buffers.
+HEADROOM = 0.10
+
+
+def fits(peak_bytes: float, device_bytes: float | None) -> bool | None:
+    """Whether a rank's allocated peak fits a device of `device_bytes`, HEADROOM kept
+    free; None where the device's memory is unknown."""
+    if not device_bytes:
+        return None
+    return peak_bytes <= device_bytes * (1 - HEADROOM)
+
+
 THIS_MACHINE = "this-machine"
 NAMES = (*PROFILES, THIS_MACHINE)
 

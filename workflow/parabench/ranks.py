@@ -24,15 +24,14 @@ why. `parabench plan` measures ranks at world sizes no one here has (plan.py).
 
 from __future__ import annotations
 
-import dataclasses
-import itertools
+import contextlib
 import json
 import statistics
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from parabench import envinfo, faults, nocomm, profiling, runtime, strategies
 from parabench.config import alone_ranks, rank_key
@@ -69,20 +68,13 @@ def rank_of(spec: RunSpec, threads: int, rank: int = 0) -> dict:
     if device.type == "cuda" and torch.cuda.is_available():  # else skipped: none visible
         torch.cuda.set_device(device)
         profiling.reset_high_water([device])
-    dist.init_process_group(nocomm.BACKEND, store=dist.HashStore(), rank=rank, world_size=world)
     torch.set_num_threads(threads)
-    try:
-        group = dist.group.WORLD
-        group.alone = True  # no peer will ever send (nocomm.py)
-        cores = envinfo.usable_cores()
-        # Alone on its host: local rank 0 of 1, so it needs the one device it drives.
-        ctx = runtime.Context(rank, world, 0, device, threads, True, 1, (), cores, group, group)
+    # Alone on its host: local rank 0 of 1, so it needs the one device it drives.
+    with _threads_restored(), runtime.alone(spec, rank, device, threads) as ctx:
         if reason := strategies.get(spec.strategy).skip_reason(spec, ctx):
             return {"status": "skipped", "reason": reason}
-        meshes = None
-        if spec.record.layout:  # after the skip: a mesh on a device that is not there fails
-            meshes = runtime.build_meshes(spec.degrees, device.type, f"_{next(_BUILT)}")
-            ctx = dataclasses.replace(ctx, meshes=meshes)
+        # after the skip: a mesh on a device that is not there fails
+        ctx = runtime.with_meshes(ctx, spec)
         model = build(spec.model, spec.seed)
         strategy = strategies.build(model, spec, ctx)
         # Only this rank's samples are drawn: at weak scaling the global batch of a
@@ -101,7 +93,7 @@ def rank_of(spec: RunSpec, threads: int, rank: int = 0) -> dict:
         # profiler records memory only: shapes cost a third of the time.
         # Each mesh dimension's group counts its own (a 1-D strategy's one dimension is
         # the world): the bytes per dimension, and their sum per op.
-        groups = ctx.named_mesh().groups() if meshes else {_one_dim(spec): group}
+        groups = ctx.named_mesh().groups() if ctx.meshes else {_one_dim(spec): ctx.group}
         with nocomm.counting_each(groups) as by_dim:
             counted = profiling.StepProfiler(ctx).count(
                 lambda: run_step(strategy, batches, STEPS + WARMUP, sync), shapes=False
@@ -128,25 +120,15 @@ def rank_of(spec: RunSpec, threads: int, rank: int = 0) -> dict:
             "comm_bytes_per_step": sum(v["bytes"] for v in comm.values()),
             "collectives_per_step": sum(v["count"] for v in comm.values()),
         }
+
+
+@contextlib.contextmanager
+def _threads_restored() -> Iterator[None]:
+    """The process's intra-op threads as they were before a rank set its own."""
+    try:
+        yield
     finally:
-        dist.destroy_process_group()
-        _forget_meshes()
         torch.set_num_threads(envinfo.usable_cores())
-
-
-# Meshes built in this process: each rank's are named apart (runtime.build_meshes), or
-# the next rank's DTensors would find plans cached for the last one's meshes, which
-# compare equal (DeviceMesh equality ignores its groups), and run their collectives over
-# groups destroyed by then ("Could not resolve the process group").
-_BUILT = itertools.count()
-
-
-def _forget_meshes() -> None:
-    """Drop DTensor's plans made on this rank's meshes, which they keep alive."""
-    from torch.distributed.tensor import DTensor, _redistribute
-
-    DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
-    _redistribute._planner_cache.clear()
 
 
 def saved_activations(step) -> int | None:

@@ -85,6 +85,27 @@ RANK_COLUMNS = (
 )
 
 
+# rehearsal.csv (rehearse.py): one row per rank of a cell rehearsed on fake tensors;
+# docs/results.md defines each column.
+REHEARSAL_KEY = RANK_KEY
+REHEARSAL_COLUMNS = (
+    *REHEARSAL_KEY,
+    "status",
+    "reason",
+    "device",
+    "gpu",
+    "peak_memory_bytes",
+    "device_memory_bytes",
+    "fits",
+    "held_bytes",
+    "flops_per_step",
+    "compute_s_estimate",
+    "seconds",
+    "config_hash",
+    "code_hash",
+)
+
+
 # plan.csv (plan.py): one row per planned rank, rank 0 of a world of N
 PLAN_KEY = (*VARIANT_KEYS, "ac", "strategy", "world_size")
 PLAN_COLUMNS = (

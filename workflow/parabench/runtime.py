@@ -10,9 +10,13 @@ at once (nocomm.py).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import itertools
 import os
 import socket
+import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -126,8 +130,8 @@ def build_meshes(
     dims = tuple(d for d in MESH_DIMS if degrees[d] > 1)
     shape = tuple(degrees[d] for d in dims)
     names = tuple(d + tag for d in dims)
-    real = NamedMesh(init_device_mesh(device_type, shape, mesh_dim_names=names), degrees, tag)
     local_names = tuple(f"{d}_nocomm{tag}" for d in dims)
+    real = NamedMesh(init_device_mesh(device_type, shape, mesh_dim_names=names), degrees, tag)
     local = init_device_mesh(
         device_type,
         shape,
@@ -140,6 +144,79 @@ def build_meshes(
             for group in mesh.groups().values():
                 group.alone = True
     return real, local
+
+
+# Meshes built in this process by ranks alone: each rank's are named apart, or the next
+# rank's DTensors would find plans cached for the last one's meshes, which compare equal
+# (DeviceMesh equality ignores its groups), and run their collectives over groups
+# destroyed by then ("Could not resolve the process group").
+_BUILT = itertools.count()
+
+
+def forget_meshes() -> None:
+    """Drop DTensor's plans made on the meshes of a world now destroyed, which they keep
+    alive."""
+    from torch.distributed.tensor import DTensor, _redistribute
+
+    DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
+    _redistribute._planner_cache.clear()
+
+
+@contextlib.contextmanager
+def alone(
+    spec: RunSpec,
+    rank: int,
+    device: torch.device,
+    threads: int,
+    local_world: int = 1,
+) -> Iterator[Context]:
+    """Rank `rank` of the cell's world, alone in this process: its collectives return at
+    once on its own data (nocomm.py; `alone`: no peer ever sends), as the scaling model
+    measures a rank (ranks.py) and the rehearsal runs one (rehearse.py). It is local rank
+    rank % local_world of `local_world` processes on its host (they decide the GPUs it
+    needs: Strategy.skip_reason). A strategy of one process gets no process group. A
+    layout's meshes are made by `with_meshes`, once the rank knows it runs."""
+    grouped = spec.record.process_group(spec.devices)
+    # init_process_group wraps sys.excepthook to prefix "[rank<r>]:", again at each
+    # call: a process running ranks one after another would prefix a traceback once per
+    # rank it ran.
+    hook = sys.excepthook
+    if grouped:
+        dist.init_process_group(
+            nocomm.BACKEND, store=dist.HashStore(), rank=rank, world_size=spec.devices
+        )
+    try:
+        group = dist.group.WORLD if grouped else None
+        if group is not None:
+            group.alone = True  # no peer will ever send (nocomm.py)
+        world = spec.devices if grouped else 1
+        yield Context(
+            rank,
+            world,
+            rank % local_world,
+            device,
+            threads,
+            grouped,
+            local_world,
+            (),
+            usable_cores(),
+            group,
+            group,
+        )
+    finally:
+        if grouped:
+            dist.destroy_process_group()
+            forget_meshes()
+        sys.excepthook = hook
+
+
+def with_meshes(ctx: Context, spec: RunSpec) -> Context:
+    """`ctx` with its layout's meshes (build_meshes), named apart from every earlier
+    rank's in this process; `ctx` as it is for a strategy that is no layout."""
+    if not spec.record.layout:
+        return ctx
+    meshes = build_meshes(spec.degrees, ctx.device.type, f"_{next(_BUILT)}")
+    return dataclasses.replace(ctx, meshes=meshes)
 
 
 def resolve_device_type(requested: str) -> str:
@@ -200,11 +277,16 @@ def start(spec: RunSpec) -> Context:
             f"{socket.gethostname()} ({build}): run on a GPU node (did the job ask for "
             "GPUs?), or set device: cpu or auto"
         )
-    if device_type == "cuda" and local_rank < torch.cuda.device_count():
+    # A host with fewer GPUs than its processes drive opens no process group: the cell
+    # is skipped (Strategy.skip_reason says so), and NCCL refuses a rank without a GPU
+    # of its own. Every process of the host decides alike (need counts them all).
+    placed = device_type != "cuda"
+    device = torch.device(device_type)
+    if device_type == "cuda":
         device = torch.device("cuda", local_rank)
-        torch.cuda.set_device(device)
-    else:
-        device = torch.device(device_type)
+        placed = torch.cuda.device_count() >= spec.cuda_devices_per_host(local_world)
+        if placed:
+            torch.cuda.set_device(device)
 
     # Ranks on one host share its cores: each is bound to its share, and runs that many
     # threads (at least one: with more ranks than cores, they take turns on a core).
@@ -215,7 +297,7 @@ def start(spec: RunSpec) -> Context:
     torch.set_num_threads(threads)
 
     distributed, group, local = False, None, None
-    if spec.record.process_group(spec.devices):
+    if spec.record.process_group(spec.devices) and placed:
         backend = "nccl" if device.type == "cuda" else "gloo"
         timeout = timedelta(seconds=spec.timeout_s)
         if "MASTER_ADDR" in os.environ:
@@ -227,7 +309,7 @@ def start(spec: RunSpec) -> Context:
                 backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
             )
         distributed, group, local = True, dist.group.WORLD, nocomm.local_group()
-    meshes = build_meshes(spec.degrees, device.type) if spec.record.layout else None
+    meshes = build_meshes(spec.degrees, device.type) if spec.record.layout and distributed else None
     return Context(
         rank,
         world,

@@ -17,6 +17,7 @@ import json
 from dataclasses import MISSING, asdict, dataclass, field, fields
 
 from parabench.catalog import REFERENCE, record
+from parabench.envinfo import runs_on_cuda
 from parabench.models.facts import DEFAULTS
 from parabench.records import CELL_DIR
 
@@ -151,9 +152,19 @@ class RunSpec:
         """Whether the cell's processes start under torchrun (launch.py): several ranks,
         or on CUDA the one rank of a distributed strategy at one device, so that one GPU
         runs the launch path n GPUs run (the agent, a forked rank, an NCCL group bound
-        to its device). On the CPU one rank starts as a plain process (in-memory store),
-        sparing the agent's two seconds."""
-        return self.ranks > 1 or (self.device == "cuda" and self.record.process_group(self.devices))
+        to its device); `auto` is CUDA where torch is a CUDA build (it finds the GPUs).
+        On the CPU one rank starts as a plain process (in-memory store), sparing the
+        agent's two seconds."""
+        return self.ranks > 1 or (
+            runs_on_cuda(self.device) and self.record.process_group(self.devices)
+        )
+
+    def cuda_devices_per_host(self, local_world: int) -> int:
+        """The CUDA devices a host of `local_world` of the cell's processes must see: what
+        each drives (all n of a one-process strategy such as dp or model_parallel, one
+        for a rank), since local rank r drives cuda:r. Every process of a host counts
+        the same, so they decide together."""
+        return self.devices // self.ranks * local_world
 
     @property
     def degrees(self) -> dict[str, int]:

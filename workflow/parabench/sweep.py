@@ -41,6 +41,7 @@ from parabench.config import (
     skipped,
     with_devices,
 )
+from parabench.envinfo import runs_on_cuda
 from parabench.fabric import PROFILES
 from parabench.launch import (
     advise_command,
@@ -338,7 +339,7 @@ def _render(config: dict, results: Path) -> Path:
     from parabench.report import TEMPLATES, render
 
     render(results, TEMPLATES, config, results / "report.html")
-    if config["device"] == "cuda":
+    if runs_on_cuda(config["device"]):
         print("\n".join(cuda_paths(results)), flush=True)
     return results / "report.html"
 
@@ -361,6 +362,8 @@ def cuda_paths(results: Path) -> list[str]:
         CATALOG[s].process_group(n) for s, n in ok[["strategy", "devices"]].itertuples(False)
     ]
     ranked = ok[grouped]
+    # of those, the ones started under torchrun, as each cell's launch command says
+    agent = ranked[ranked["launch_command"].fillna("").str.contains("parabench.torchrun")]
 
     def ran(what: str, rows: pd.DataFrame, need: str) -> str:
         return f"  {'ran    ' if len(rows) else 'not run'}  {what}" + (
@@ -369,7 +372,7 @@ def cuda_paths(results: Path) -> list[str]:
 
     lines = ["CUDA paths this sweep ran:"]
     lines.append(
-        ran("torchrun agent, forked rank, NCCL group bound to its GPU", ranked, "no rank ran")
+        ran("torchrun agent, forked rank, NCCL group bound to its GPU", agent, "no rank ran")
     )
     lines.append(ran("no-communication group on CUDA (step_nocomm_s)", ranked, "no rank ran"))
     lines.append(

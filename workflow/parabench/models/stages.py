@@ -568,7 +568,9 @@ def _boundary(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The last of `cuts`' (input, output) on input `x`, as zeros on the CPU."""
     with running(module) as bring, torch.no_grad():
-        x = bring(x)
+        # on the module's device: a model built on the meta device (the rehearsal's) is
+        # copied to fake tensors on meta, which a CPU batch cannot meet
+        x = bring(x).to(next(module.parameters(), x).device)
         act = x
         for lo, hi in cuts[:-1]:
             act = _cut(module, blocks, t, lo, hi).fed([x])(act)

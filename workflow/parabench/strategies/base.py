@@ -42,20 +42,12 @@ class Strategy(ABC):
     applies_ac_and_compile: bool = False
 
     @classmethod
-    def cuda_devices_needed(cls, spec: RunSpec, ctx: Context) -> int:
-        """The CUDA devices this process must see: those it drives (all n of a
-        one-process strategy such as dp or model_parallel, one for a rank) times the
-        processes on its host (ctx.local_world), since local rank r drives cuda:r. Every
-        rank of a host needs the same count, so they skip together; a rank measured
-        alone (ranks.py, plan.py) needs one."""
-        return spec.devices // spec.ranks * ctx.local_world
-
-    @classmethod
     def skip_reason(cls, spec: RunSpec, ctx: Context) -> str | None:
         """Why this cell cannot give an honest number on this machine, or None."""
         if ctx.device.type != "cuda":
             return None
-        need, have = cls.cuda_devices_needed(spec, ctx), torch.cuda.device_count()
+        # a rank measured alone (ranks.py, plan.py) is its host's one process
+        need, have = spec.cuda_devices_per_host(ctx.local_world), torch.cuda.device_count()
         if have < need:
             return (
                 f"{spec.strategy} at {spec.devices} devices needs {need} CUDA devices on this "
@@ -173,7 +165,22 @@ def optimizer_class(spec: RunSpec) -> tuple[type[torch.optim.Optimizer], dict]:
 
 def make_optimizer(params, spec: RunSpec) -> torch.optim.Optimizer:
     cls, kwargs = optimizer_class(spec)
-    return cls(params, **kwargs)
+    return cls(param_groups(params), **kwargs)
+
+
+def param_groups(params) -> list[dict]:
+    """The parameters in one group per kind of tensor, with the same settings: plain
+    tensors, and DTensors by their mesh. On CUDA, torch.optim's default is its foreach
+    kernels, one call over each group's list, and they refuse a list that mixes the
+    two kinds ("aten._foreach_mul_.Scalar got mixed torch.Tensor and DTensor"): a model
+    whose tensor-parallel plan leaves some layers whole holds both. On the CPU the
+    default loops over the parameters one by one, and the groups change nothing."""
+    from torch.distributed.tensor import DTensor
+
+    kinds: dict[object, list] = {}
+    for p in params:
+        kinds.setdefault(p.device_mesh if isinstance(p, DTensor) else None, []).append(p)
+    return [{"params": group} for group in kinds.values()]
 
 
 def train_step(

@@ -1,0 +1,498 @@
+"""`parabench rehearse CONFIG`: the whole GPU run, rehearsed on this host before
+anything is queued.
+
+A CPU test at toy size proves the CPU path only: on CUDA torch picks other defaults
+(foreach optimizers, device indices, bf16 autocast on cuda), and the GPU configs run
+other sizes (gigabytes of parameters). So every cell of a config runs here at its real
+size and world size, through its own code, on fake tensors of its device: nothing is
+allocated, and a 7B model costs what a toy does. For each cell (its first repeat: the
+others run the same code) and each of its distinct ranks (the first rank of each
+pipeline stage, and the last rank, which drives its node's highest device index):
+
+- the rank alone in this process, in a world of the cell's size whose collectives
+  return at once (runtime.alone, as the scaling model measures a rank), local rank
+  r % (its node's ranks) on cuda:<local rank>, torch.cuda answering as such a node
+  would (fakecuda.py);
+- the model built on the meta device, then placed, wrapped and sharded by the cell's
+  own strategy (strategies.build, which also makes its optimizer with CUDA's defaults:
+  foreach) inside FakeTensorMode, on fake CUDA tensors;
+- two steps through loop.run_step on its shard of the global batch: the first makes
+  the optimizer's state; the second under torch's MemTracker (the rank's peak) and the
+  op counter advise uses (fakerank.Counting: its FLOPs, and their time on the GPU
+  profile, an estimate of its compute per step);
+- what the cell does after its steps: held_bytes, and full_state, the equivalence
+  check's gather.
+
+A rank is ok, failed (its exception), skipped (its strategy's own reason on such a
+node: more GPUs than it has), or not rehearsed (NOT_REHEARSED: what fake tensors cannot
+stand in for). Its peak is set against the memory of the GPU named by --gpu, with the
+headroom plan and advise keep (gpus.fits).
+
+The rehearsal runs in a process of its own (`in_child`): on a CPU-only torch the fake
+CUDA device must be loaded before torch is (fakecuda.install).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import hashlib
+import json
+import subprocess
+import sys
+import time
+import traceback
+from collections.abc import Iterator
+from pathlib import Path
+
+from parabench import checks
+from parabench.config import cells, rank_key
+from parabench.records import REHEARSAL_COLUMNS, REHEARSAL_KEY, read_rows, write_rows
+from parabench.spec import RunSpec
+
+OK, FAILED, SKIPPED, NOT_REHEARSED = "ok", "failed", "skipped", "not rehearsed"
+
+# What fake tensors cannot stand in for, said once per rehearsal and per cell it spares.
+LIMITS = {
+    "nccl": "NCCL itself: collectives return at once here, on this rank's own data",
+    "kernels": "CUDA kernels and their times: fake tensors compute shapes, not values",
+    "compile": "Inductor's CUDA code generation and Triton: compiled blocks run eager here",
+    "dp": "nn.DataParallel's scatter, replicas and threads, which run on real devices only",
+    "allocator": "the caching allocator's reserve and fragmentation (gpus.fits keeps headroom "
+    "for them)",
+}
+# Strategies whose own mechanism cannot run on fake tensors, and why.
+UNREHEARSABLE = {"dp": LIMITS["dp"]}
+
+
+def ranks_of(spec: RunSpec) -> dict[int, bool]:
+    """The ranks of a cell that can differ, each with whether it is measured: the first
+    rank of each pipeline stage (pp is the mesh's outermost dimension, so stage s begins
+    at rank s x n / pp), measured; and the last rank, which drives its node's highest
+    device index, its code run without the measurement where it is no stage's first."""
+    ranks = spec.ranks
+    firsts = [s * (ranks // spec.stages) for s in range(spec.stages)] if ranks > 1 else [0]
+    return {r: r in firsts for r in sorted({*firsts, ranks - 1})}
+
+
+def planned(config: dict) -> list[tuple[RunSpec, int, bool]]:
+    """(spec, rank, measured) of every rank the rehearsal runs (see ranks_of)."""
+    return [
+        (cell.spec, rank, measured)
+        for cell in cells(config)
+        if cell.spec.repeat == 0
+        for rank, measured in ranks_of(cell.spec).items()
+    ]
+
+
+def device_type(config: dict) -> str:
+    """The device the rehearsal fakes: cuda for a GPU config (`auto` included: where it
+    finds GPUs, it runs on them), else cpu."""
+    return "cpu" if config["device"] == "cpu" else "cuda"
+
+
+def code_hash() -> str:
+    """What a rehearsal's result depends on besides the cell: the package's code and
+    torch's version; a result of other code is rehearsed again."""
+    from parabench.envinfo import torch_build
+
+    digest = hashlib.sha256(str(torch_build()[0]).encode())
+    for path in sorted(Path(__file__).parent.rglob("*.py")):
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:12]
+
+
+# --- one rank -----------------------------------------------------------------------
+
+
+def rank(spec: RunSpec, r: int, gpu, device: str, gpus_per_node: int, measure: bool = True) -> dict:
+    """Rehearse rank `r` of `spec` (see the module's docstring): its row's figures;
+    without `measure`, its code only (built, two steps, its state gathered)."""
+    import torch
+
+    from parabench import runtime, strategies
+    from parabench.fakerank import Counting, _tracker_class
+    from parabench.loop import run_step, synchronizer
+    from parabench.models import build
+    from parabench.models.base import fake_mode, quiet_fake
+
+    if spec.strategy in UNREHEARSABLE:
+        return {"status": NOT_REHEARSED, "reason": UNREHEARSABLE[spec.strategy]}
+    per_node = max(1, min(spec.ranks, gpus_per_node if device == "cuda" else spec.ranks))
+    local = r % per_node
+    dev = torch.device(device, local) if device == "cuda" else torch.device("cpu")
+    with runtime.alone(spec, r, dev, 1, per_node) as ctx:
+        if device == "cuda":
+            torch.cuda.set_device(dev)
+        if reason := strategies.get(spec.strategy).skip_reason(spec, ctx):
+            return {"status": SKIPPED, "reason": reason}
+        ctx = runtime.with_meshes(ctx, spec)
+        with torch.device("meta"):
+            model = build(spec.model, spec.seed)
+        # The batch is drawn on the CPU and moved (no CUDA generator stands in here).
+        model = dataclasses.replace(model, device_batches=False)
+        with quiet_fake(), stand_ins(), fake_mode():
+            strategy = strategies.build(model, spec, ctx)
+            from parabench.cell import batch_source
+
+            batches = batch_source(model, spec, strategy)
+            sync = synchronizer(strategy.devices())
+            run_step(strategy, batches, 0, sync)  # the optimizer's state made
+            tracker = _tracker_class()() if measure else contextlib.nullcontext()
+            if measure:
+                tracker.track_external(strategy.module, strategy.local_optimizer())
+            counting = Counting({}) if measure else contextlib.nullcontext()
+            with tracker, counting:
+                run_step(strategy, batches, 1, sync)
+            held = strategy.held_bytes()
+            strategy.full_state()
+    got = {"status": OK, "reason": "", "device": str(dev), "held_bytes": sum(held.values())}
+    if measure:
+        peaks = tracker.get_tracker_snapshot("peak").values()
+        got["peak_memory_bytes"] = int(max((s.get("Total", 0) for s in peaks), default=0))
+        got["flops_per_step"] = counting.work.flops()
+        got["compute_s_estimate"] = counting.work.seconds(gpu)
+    return got
+
+
+# What the rehearsal replaces, because fake tensors hold no data to read (each is named
+# where it is made, in `stand_ins`):
+STAND_INS = {
+    "foreach": "torch's choice of foreach kernels sees a fake tensor as the tensor it stands "
+    "for (on CUDA, foreach is the optimizers' default)",
+    "compile": "torch.compile is the identity: each block runs its eager code",
+    "mesh": "a DeviceMesh computes its rank bookkeeping on real tensors",
+    "ddp": "DDP skips its check that every rank's parameters have the same shapes, its "
+    "runtime statistics and the rebuild of its buckets in gradient order",
+    "pipeline": "a pipeline's warm-up vote is taken as static shapes, which every stage "
+    "parabench builds declares",
+    "objects": "a collective of Python objects (all_gather_object) gives this rank's object "
+    "to every slot: it pickles values, which fake tensors lack",
+}
+
+
+@contextlib.contextmanager
+def stand_ins() -> Iterator[None]:
+    """The rehearsal's replacements for what reads tensors' data (STAND_INS), restored
+    on exit. Everything else of a cell's code runs as on a GPU."""
+    with contextlib.ExitStack() as stack:
+        for patch in (
+            _foreach_as_cuda,
+            _compile_eager,
+            _meshes_real,
+            _ddp_without_data,
+            _static_pipeline,
+            _objects_local,
+        ):
+            stack.enter_context(patch())
+        yield
+
+
+@contextlib.contextmanager
+def _patched(owner, name: str, value) -> Iterator[None]:
+    """`owner.name` set to `value`, restored on exit; nothing where this torch has no such
+    attribute (a version before or after the one the stand-in was written for)."""
+    if not hasattr(owner, name):
+        yield
+        return
+    saved = owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)
+    setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        setattr(owner, name, saved)
+
+
+@contextlib.contextmanager
+def _foreach_as_cuda() -> Iterator[None]:
+    """Fake tensors among the types torch's foreach kernels take: the optimizers' default
+    (foreach where every parameter is a supported tensor on CUDA) and clip_grad_norm's
+    decide as they would on the real tensors. Without it, a FakeTensor's type keeps every
+    optimizer on the per-parameter loop, and what foreach refuses (a mix of DTensors and
+    plain tensors) is never seen."""
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch.optim import optimizer
+    from torch.utils import _foreach_utils
+
+    lists = (optimizer._foreach_supported_types, _foreach_utils._foreach_supported_types)
+    added = [types for types in lists if FakeTensor not in types]
+    for types in added:
+        types.append(FakeTensor)
+    try:
+        yield
+    finally:
+        for types in added:
+            types.remove(FakeTensor)
+
+
+@contextlib.contextmanager
+def _compile_eager() -> Iterator[None]:
+    """torch.compile as the identity: Inductor's CUDA code is not rehearsed
+    (LIMITS), the blocks' eager code is."""
+    import torch
+
+    def identity(fn=None, *args, **kwargs):
+        return fn if fn is not None else (lambda f: f)
+
+    with _patched(torch, "compile", identity):
+        yield
+
+
+@contextlib.contextmanager
+def _meshes_real() -> Iterator[None]:
+    """Every DeviceMesh method outside fake tensors: a mesh's tensors are ranks, never
+    device data, and it reads them back (tolist, nonzero), which a fake tensor cannot.
+    FSDP2 over a TP mesh makes a mesh inside the step's code (DeviceMesh._concatenate)."""
+    import functools
+
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.distributed.device_mesh import DeviceMesh
+
+    def real(fn):
+        @functools.wraps(fn)
+        def run(*args, **kwargs):
+            with unset_fake_temporarily():
+                return fn(*args, **kwargs)
+
+        return run
+
+    with contextlib.ExitStack() as stack:
+        for name, attr in list(vars(DeviceMesh).items()):
+            if isinstance(attr, staticmethod):
+                wrapped = staticmethod(real(attr.__func__))
+            elif isinstance(attr, property):
+                wrapped = property(real(attr.fget), attr.fset, attr.fdel, attr.__doc__)
+            elif callable(attr) and not isinstance(attr, type):
+                wrapped = real(attr)
+            else:
+                continue
+            stack.enter_context(_patched(DeviceMesh, name, wrapped))
+        yield
+
+
+@contextlib.contextmanager
+def _ddp_without_data() -> Iterator[None]:
+    """DDP on fake tensors: its C++ reducer, buckets and hooks run as on a GPU, less what
+    reads tensors' data: the constructor's check that every rank's parameters have the
+    same shapes (a rank alone would compare itself with itself), the runtime statistics
+    of its logger (timed with CUDA events its reducer makes on a GPU), and the rebuild of
+    its buckets in the order gradients arrived in the first step (an order, not a change
+    of what each bucket reduces)."""
+    import torch.distributed as dist
+    from torch.nn.parallel import distributed
+
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(
+            _patched(distributed, "_verify_param_shape_across_processes", lambda *a, **k: None)
+        )
+        stack.enter_context(_patched(dist.Logger, "set_runtime_stats_and_log", lambda s: None))
+        stack.enter_context(_patched(dist.Reducer, "_rebuild_buckets", lambda s: False))
+        yield
+
+
+@contextlib.contextmanager
+def _static_pipeline() -> Iterator[None]:
+    """A pipeline schedule's warm-up vote on dynamic shapes, taken as static: the vote is
+    a value the stages exchange and read back (item), which fake tensors do not carry,
+    and every stage parabench builds declares its shapes (strategies/pipeline.py)."""
+    from torch.distributed.pipelining import schedules
+
+    warmup = getattr(schedules._PipelineSchedule, "_warmup_p2p", None)
+
+    def static(self, stages, has_backward, p2p_done) -> None:
+        from torch.distributed.pipelining._utils import InferenceMode
+        from torch.distributed.pipelining.stage import PipelineStage
+
+        if not all(isinstance(stage, PipelineStage) for stage in stages):
+            return warmup(self, stages, has_backward, p2p_done)
+        for stage in stages:
+            stage._inference_mode = InferenceMode.STATIC
+
+    with _patched(schedules._PipelineSchedule, "_warmup_p2p", static):
+        yield
+
+
+@contextlib.contextmanager
+def _objects_local() -> Iterator[None]:
+    """all_gather_object with this rank's object in every slot, as the rank's collectives
+    return its own data (nocomm.py): the real one pickles the object's values, which
+    fake tensors lack (a pipeline's full_state gathers its stages' parameters so)."""
+    import torch.distributed as dist
+
+    def local(object_list: list, obj, group=None) -> None:
+        object_list[:] = [obj] * len(object_list)
+
+    with _patched(dist, "all_gather_object", local):
+        yield
+
+
+def _root_cause(e: BaseException) -> str:
+    """The exception in a line, where in the package or torch it was raised."""
+    frames = traceback.extract_tb(e.__traceback__)
+    where = next((f"{Path(f.filename).name}:{f.lineno}" for f in reversed(frames)), "?")
+    text = " ".join(str(e).split())[:400]
+    return f"{type(e).__name__}: {text} ({where})"
+
+
+# --- a config ---------------------------------------------------------------------
+
+
+def run(
+    config: dict, out: Path, gpu_name: str, log=print, workers: int | None = None
+) -> list[dict]:
+    """Rehearse every rank of `config` and write out/rehearsal.csv as rows come, keeping
+    the rows of an earlier rehearsal of the same cells by the same code and torch. This
+    process must have installed fakecuda for a cuda config; `workers` processes share
+    the ranks (default: this host's cores), forked from it before it imports torch."""
+    from parabench import gpus
+    from parabench.envinfo import usable_cores
+
+    gpu = gpus.resolve(gpu_name)
+    device = device_type(config)
+    gpus_per_node = config.get("gpus_per_node", 8)
+    code = code_hash()
+    path = out / "rehearsal.csv"
+    wanted = planned(config)
+    keys = {_key(spec, r): spec for spec, r, _ in wanted}
+    kept = {
+        key: row
+        for row in read_rows(path)
+        if row.get("code_hash") == code
+        and row.get("gpu") == gpu.name
+        and (spec := keys.get(key := tuple(row[k] for k in REHEARSAL_KEY)))
+        and row.get("config_hash") == spec.config_hash()
+    }
+    jobs = [(i, spec, r, m) for i, (spec, r, m) in enumerate(wanted) if _key(spec, r) not in kept]
+    setting = (gpu, device, gpus_per_node, code)
+    done: dict[int, dict] = {}
+    workers = max(1, min(workers or usable_cores(), len(jobs)))
+    with _pool(workers, setting) as pool:
+        for i, row in pool(_job, jobs):
+            done[i] = row
+            rows = [done.get(i) or kept.get(_key(s, r)) for i, (s, r, _) in enumerate(wanted)]
+            write_rows(path, REHEARSAL_COLUMNS, [row for row in rows if row])
+            if row["status"] != SKIPPED:
+                spec = wanted[i][0]
+                log(f"rehearse {spec.path} rank {row['rank']}: {row['status']} {row['reason']}")
+    rows = [done.get(i) or kept[_key(s, r)] for i, (s, r, _) in enumerate(wanted)]
+    write_rows(path, REHEARSAL_COLUMNS, rows)
+    return rows
+
+
+# The setting of this process's rehearsal: (gpu, device, gpus_per_node, code hash).
+_SETTING: list = []
+
+
+@contextlib.contextmanager
+def _pool(workers: int, setting: tuple):
+    """A map of _job over jobs as they finish: in `workers` processes forked from this
+    one (before it imports torch, which a fork after would share threads with), each
+    standing in for its node (fakecuda.node) for good; else in this process."""
+    import multiprocessing
+
+    from parabench import fakecuda
+
+    gpu, device, gpus_per_node, _ = setting
+    node = (
+        functools.partial(fakecuda.node, gpus_per_node, gpu.name, int(gpu.memory_bytes))
+        if device == "cuda"
+        else contextlib.nullcontext
+    )
+    if workers > 1 and "torch" not in sys.modules:
+        ctx = multiprocessing.get_context("fork")
+        with ctx.Pool(workers, _start_worker, (setting, node)) as procs:
+            yield lambda fn, jobs: procs.imap_unordered(fn, jobs)
+        return
+    _SETTING[:] = [setting]
+    with node():
+        yield lambda fn, jobs: map(fn, jobs)
+
+
+def _start_worker(setting: tuple, node) -> None:
+    stands_in = node()
+    stands_in.__enter__()  # for the worker's life (held: its exit on collection restores)
+    _SETTING[:] = [setting, stands_in]
+
+
+def _job(job: tuple) -> tuple[int, dict]:
+    """One planned rank's row (this process's _SETTING)."""
+    from parabench.gpus import fits
+
+    i, spec, r, measure = job
+    gpu, device, gpus_per_node, code = _SETTING[0]
+    t0 = time.perf_counter()
+    row = {
+        **rank_key(spec, r),
+        "config_hash": spec.config_hash(),
+        "code_hash": code,
+        "gpu": gpu.name,
+        "device_memory_bytes": int(gpu.memory_bytes) if device == "cuda" else "",
+    }
+    if reason := _static(spec):
+        row.update(status=SKIPPED, reason=reason)
+    else:
+        try:
+            row.update(rank(spec, r, gpu, device, gpus_per_node, measure))
+        except Exception as e:
+            row.update(status=FAILED, reason=_root_cause(e))
+    if "peak_memory_bytes" in row and device == "cuda":
+        row["fits"] = fits(row["peak_memory_bytes"], gpu.memory_bytes)
+        if not row["fits"]:
+            row["reason"] = (
+                f"peak {row['peak_memory_bytes'] / 2**30:.1f} GiB does not fit "
+                f"{gpu.name}'s {gpu.memory_bytes / 2**30:.1f} GiB with headroom"
+            )
+    row["seconds"] = round(time.perf_counter() - t0, 3)
+    return i, row
+
+
+def _key(spec: RunSpec, r: int) -> tuple[str, ...]:
+    return tuple(str(v) for v in rank_key(spec, r).values())
+
+
+def _static(spec: RunSpec) -> str | None:
+    """Why the cell is recorded as skipped or failed without running (its settings)."""
+    problems = checks.problems(spec, launching=False)
+    if problems:
+        return "; ".join(problems)
+    return checks.static_skip_reason(spec)
+
+
+def refused(rows: list[dict]) -> list[dict]:
+    """The ranks whose cell cannot run on that GPU: failed, or not fitting."""
+    return [r for r in rows if r["status"] == FAILED or str(r.get("fits")) == "False"]
+
+
+def summary(rows: list[dict]) -> list[str]:
+    """The rehearsal in a few lines: counts by outcome, then each refused rank."""
+    counts: dict[str, int] = {}
+    for row in rows:
+        counts[row["status"]] = counts.get(row["status"], 0) + 1
+    lines = [", ".join(f"{n} {status}" for status, n in sorted(counts.items()))]
+    for row in refused(rows):
+        where = f"{row['model']} {row['strategy']} x{row['devices']} rank {row['rank']}"
+        lines.append(f"{where}: {row['reason']}")
+    return lines
+
+
+def in_child(
+    config: dict,
+    out: Path,
+    gpu: str = "h100",
+    python: str | None = None,
+    timeout: float = 900,
+    cwd: Path | None = None,
+) -> tuple[list[dict], str | None]:
+    """`parabench rehearse` in a process of its own (fakecuda loads before torch there):
+    the rows, and why none came back where the child could not rehearse."""
+    argv = [python or sys.executable, "-m", "parabench", "rehearse"]
+    argv += ["--config-json", json.dumps(config, sort_keys=True), "--gpu", gpu, "--out", str(out)]
+    try:
+        got = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, cwd=cwd)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return [], f"the rehearsal did not finish: {e}"
+    if got.returncode not in (0, 1):
+        why = (got.stderr.strip().splitlines() or ["no output"])[-1]
+        return [], f"the rehearsal could not run: {why}"
+    return read_rows(out / "rehearsal.csv"), None
