@@ -35,7 +35,7 @@ import yaml
 
 from parabench import checks, models
 from parabench.config import cells
-from parabench.envinfo import runs_on_cuda, torch_build
+from parabench.envinfo import nvidia_smi_gpus, runs_on_cuda, torch_build
 
 OK, WARN, FAIL, LATER = "ok", "warn", "FAIL", "later"
 # What one cell leaves on disk besides its parameters (steps.csv, meta.json, one trace
@@ -174,22 +174,12 @@ def check_slurm(config: dict, res: dict[str, str]) -> Check:
     return Check("slurm", OK, f"account {res['slurm_account']}, partition {part}")
 
 
-def _nvidia_smi_gpus() -> int | None:
-    if not shutil.which("nvidia-smi"):
-        return None
-    try:
-        got = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.TimeoutExpired):  # a wedged driver: torch says the rest
-        return None
-    return sum(line.startswith("GPU ") for line in got.stdout.splitlines())
-
-
 def gpu_checks(config: dict) -> list[Check]:
     """The checks only a GPU node answers: GPUs, NCCL, bf16."""
     need = gpus_per_node(config)
     _, cuda = torch_build()
     if cuda is None:
-        seen = _nvidia_smi_gpus()
+        seen = nvidia_smi_gpus()
         also = f" (nvidia-smi lists {seen})" if seen else ""
         return [
             Check(

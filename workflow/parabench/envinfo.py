@@ -8,6 +8,7 @@ import importlib.util
 import os
 import platform
 import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -147,6 +148,18 @@ def gpu_topology() -> str | None:
     except (OSError, subprocess.TimeoutExpired):
         return None
     return out.stdout.strip() or out.stderr.strip() or None
+
+
+def nvidia_smi_gpus() -> int | None:
+    """The GPUs the driver lists (`nvidia-smi -L`), without starting CUDA in this
+    process; None without nvidia-smi, or where it does not answer (a wedged driver)."""
+    if not shutil.which("nvidia-smi"):
+        return None
+    try:
+        got = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return sum(line.startswith("GPU ") for line in got.stdout.splitlines())
 
 
 def describe(device_type: str) -> dict:

@@ -8,7 +8,10 @@
 // current device and stream per thread, as torch's own FakeGuardImpl does, for up to
 // 64 devices) and hooks that say CUDA is built and available. It never runs a kernel:
 // every tensor it meets is fake. The hooks are read once, as torch imports, so the
-// library is loaded before torch is (fakecuda.install).
+// library is loaded before torch is (fakecuda.install). A CUDA torch on a host without
+// a GPU (a cluster's login node) has a guard and hooks that need a device, which are
+// replaced alike: the hooks by a higher priority, the guard once torch has loaded its
+// own (fakecuda.node).
 
 #include <ATen/detail/CUDAHooksInterface.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
@@ -93,14 +96,14 @@ FakeCudaGuard guard;
 }  // namespace
 
 // torch reads the hooks registered under this name when it first needs them (as it
-// imports): a CPU-only torch registers none, so these are the ones it finds.
+// imports): a CPU-only torch registers none; a CUDA one registers its own at a lower
+// priority, which the registry then skips.
 namespace at {
-C10_REGISTER_TYPED_CLASS(CUDAHooksRegistry, "CUDAHooks", FakeCudaHooks)
+C10_REGISTER_TYPED_CLASS_WITH_PRIORITY(
+    CUDAHooksRegistry, "CUDAHooks", c10::REGISTRY_PREFERRED, FakeCudaHooks)
 }
 
-// Registers the guard unless torch already has one (a CUDA build); 1 when registered.
-extern "C" int parabench_fake_cuda() {
-  auto& registered = c10::impl::device_guard_impl_registry[static_cast<size_t>(DeviceType::CUDA)];
-  const c10::impl::DeviceGuardImplInterface* none = nullptr;
-  return registered.compare_exchange_strong(none, &guard) ? 1 : 0;
+// Registers the guard in place of whatever torch registered (none, or CUDA's own).
+extern "C" void parabench_fake_cuda() {
+  c10::impl::device_guard_impl_registry[static_cast<size_t>(DeviceType::CUDA)].store(&guard);
 }

@@ -34,7 +34,7 @@ import types
 from collections.abc import Iterator
 from pathlib import Path
 
-from parabench.envinfo import torch_build
+from parabench.envinfo import nvidia_smi_gpus, torch_build
 
 SOURCE = Path(__file__).with_name("fakecuda.cpp")
 
@@ -112,17 +112,20 @@ def library(torch_dir: Path | None = None) -> Path:
     return path
 
 
+# The shim loaded in this process (install), whose guard `node` registers.
+_SHIM: list = []
 _INSTALLED: list[str] = []
 
 
 def install() -> str:
     """Make fake CUDA tensors trainable in this process; call before torch is imported.
-    Returns what stands in for CUDA's C++ side (for the rehearsal's record)."""
+    Returns what stands in for CUDA's C++ side (for the rehearsal's record): the shim,
+    unless torch is a CUDA build on a host with GPUs, whose own guard and hooks serve."""
     if _INSTALLED:
         return _INSTALLED[0]
     torch_dir = _torch_dir()
-    if torch_build()[1] is not None:  # a CUDA (or ROCm) build
-        how = "this CUDA torch's own device guard"
+    if torch_build()[1] is not None and nvidia_smi_gpus():
+        how = "this host's CUDA (its GPUs run nothing: every tensor is fake)"
     else:
         if "torch" in sys.modules:
             raise Unavailable(
@@ -133,8 +136,7 @@ def install() -> str:
         # torch's libraries first, global, so the shim binds to the ones torch uses
         for name in ("libc10.so", "libtorch_cpu.so"):
             ctypes.CDLL(str(torch_dir / "lib" / name), mode=ctypes.RTLD_GLOBAL)
-        shim = ctypes.CDLL(str(lib), mode=ctypes.RTLD_GLOBAL)
-        shim.parabench_fake_cuda()
+        _SHIM.append(ctypes.CDLL(str(lib), mode=ctypes.RTLD_GLOBAL))
         how = f"a fake CUDA device guard and hooks ({lib.name})"
     _INSTALLED.append(how)
     return how
@@ -149,10 +151,18 @@ class _Node:
 @contextlib.contextmanager
 def node(gpus: int, name: str, memory_bytes: int) -> Iterator[None]:
     """torch.cuda as a node of `gpus` GPUs named `name` with `memory_bytes` each would
-    answer, for fake tensors, restored on exit. The GPU is one that runs bf16 (sm_90)."""
+    answer, for fake tensors, restored on exit. The GPU is one that runs bf16 (sm_90).
+    Where `install` loaded the shim, its guard stands for CUDA's; where this host has
+    GPUs, its own do, and the node has as many as it has (a cell needing more is
+    skipped, as it would be here)."""
     import torch
     import torch.distributed as dist
     from torch._subclasses.fake_tensor import FakeTensorMode
+
+    if _SHIM:  # over the guard a CUDA torch registered as it loaded, if any
+        _SHIM[0].parabench_fake_cuda()
+    elif torch_build()[1] is not None:
+        gpus = min(gpus, torch.cuda.device_count())
 
     def stream_class():
         class Stream(torch.Stream):
@@ -210,6 +220,7 @@ def node(gpus: int, name: str, memory_bytes: int) -> Iterator[None]:
         "get_device_capability": lambda device=None: (9, 0),
         "is_bf16_supported": lambda including_emulation=True: True,
         "synchronize": lambda device=None: None,
+        "is_current_stream_capturing": lambda: False,  # no CUDA graph is being captured
         "Stream": stream_class(),
         "Event": event_class(),
         "current_stream": current_stream,
@@ -224,8 +235,12 @@ def node(gpus: int, name: str, memory_bytes: int) -> Iterator[None]:
     }
     saved = {k: getattr(cuda, k) for k in answers if hasattr(cuda, k)}
     # FakeTensorMode makes what a constructor makes on a device (torch.tensor(...,
-    # device="cuda")) for real and lifts it, where CUDA is available: not on these devices.
+    # device="cuda")) for real and lifts it, where CUDA is available, and makes a real
+    # tensor on each device it meets first (init_gpu_context): not on these devices.
+    from torch._subclasses import fake_tensor
+
     avoid = FakeTensorMode.__dict__["avoid_device_init"]
+    warm = fake_tensor.init_gpu_context
     saved_nccl = cuda.nccl.version
     saved_version = torch.version.cuda
     saved_available = dist.is_nccl_available
@@ -236,6 +251,7 @@ def node(gpus: int, name: str, memory_bytes: int) -> Iterator[None]:
         torch.version.cuda = saved_version or "12.4"
         dist.is_nccl_available = lambda: True
         FakeTensorMode.avoid_device_init = property(lambda self: True)
+        fake_tensor.init_gpu_context = lambda device: None
         yield
     finally:
         for k in answers:
@@ -247,4 +263,5 @@ def node(gpus: int, name: str, memory_bytes: int) -> Iterator[None]:
         torch.version.cuda = saved_version
         dist.is_nccl_available = saved_available
         FakeTensorMode.avoid_device_init = avoid
+        fake_tensor.init_gpu_context = warm
         _Node.index = 0

@@ -123,10 +123,10 @@ def rank(spec: RunSpec, r: int, gpu, device: str, gpus_per_node: int, measure: b
     local = r % per_node
     dev = torch.device(device, local) if device == "cuda" else torch.device("cpu")
     with runtime.alone(spec, r, dev, 1, per_node) as ctx:
-        if device == "cuda":
-            torch.cuda.set_device(dev)
         if reason := strategies.get(spec.strategy).skip_reason(spec, ctx):
             return {"status": SKIPPED, "reason": reason}
+        if device == "cuda":  # as runtime.start makes a cell's rank's device current
+            torch.cuda.set_device(dev)
         ctx = runtime.with_meshes(ctx, spec)
         with torch.device("meta"):
             model = build(spec.model, spec.seed)
@@ -164,7 +164,8 @@ STAND_INS = {
     "compile": "torch.compile is the identity: each block runs its eager code",
     "mesh": "a DeviceMesh computes its rank bookkeeping on real tensors",
     "ddp": "DDP skips its check that every rank's parameters have the same shapes, its "
-    "runtime statistics and the rebuild of its buckets in gradient order",
+    "runtime statistics (timed with CUDA events) and the rebuild of its buckets in "
+    "gradient order",
     "pipeline": "a pipeline's warm-up vote is taken as static shapes, which every stage "
     "parabench builds declares",
     "objects": "a collective of Python objects (all_gather_object) gives this rank's object "
@@ -274,11 +275,12 @@ def _meshes_real() -> Iterator[None]:
 @contextlib.contextmanager
 def _ddp_without_data() -> Iterator[None]:
     """DDP on fake tensors: its C++ reducer, buckets and hooks run as on a GPU, less what
-    reads tensors' data: the constructor's check that every rank's parameters have the
-    same shapes (a rank alone would compare itself with itself), the runtime statistics
-    of its logger (timed with CUDA events its reducer makes on a GPU), and the rebuild of
-    its buckets in the order gradients arrived in the first step (an order, not a change
-    of what each bucket reduces)."""
+    reads tensors' data or times kernels: the constructor's check that every rank's
+    parameters have the same shapes (a rank alone would compare itself with itself),
+    the runtime statistics its reducer times with CUDA events in the first iterations
+    (prepare_for_forward counts the iteration that turns them on) and its logger
+    reports, and the rebuild of its buckets in the order gradients arrived in the first
+    step (an order, not a change of what each bucket reduces)."""
     import torch.distributed as dist
     from torch.nn.parallel import distributed
 
@@ -287,6 +289,7 @@ def _ddp_without_data() -> Iterator[None]:
             _patched(distributed, "_verify_param_shape_across_processes", lambda *a, **k: None)
         )
         stack.enter_context(_patched(dist.Logger, "set_runtime_stats_and_log", lambda s: None))
+        stack.enter_context(_patched(dist.Reducer, "prepare_for_forward", lambda s: None))
         stack.enter_context(_patched(dist.Reducer, "_rebuild_buckets", lambda s: False))
         yield
 
