@@ -21,6 +21,8 @@ kernel's shortest run). Each figure says where it comes from:
 `this-machine` is the host's own CPU, measured when asked for (fakerank.this_machine):
 what the on-machine ranking check prices the default run's cells at.
 
+`fits` decides whether a rank's peak fits a device, for plan and advise alike.
+
 A user's own: a YAML or JSON file with the same keys (name, peak_flops,
 achievable_flops, memory_bytes, bandwidth, source; op_floor_s optional).
 """
@@ -118,6 +120,30 @@ PROFILES: dict[str, GPU] = {
 
 THIS_MACHINE = "this-machine"
 NAMES = (*PROFILES, THIS_MACHINE)
+
+# The share of a device's memory kept free of a rank's measured peak: see `fits`.
+HEADROOM = 0.10
+
+
+def usable(device_bytes: float) -> float:
+    """The bytes of a device's memory a rank's peak may take: all but HEADROOM."""
+    return device_bytes * (1 - HEADROOM)
+
+
+def fits(peak_bytes: float, device_bytes: float | None) -> bool | None:
+    """Whether a rank's measured peak fits a device of `device_bytes`, with HEADROOM
+    kept free; None where the device's memory is unknown. The one decision plan, advise
+    and the rehearsal make.
+
+    The peaks measured are allocated bytes (torch's memory trackers, the caching
+    allocator's high-water mark). HEADROOM stands for what a GPU holds beyond them: the
+    caching allocator's reserve over what it has allocated (fragmentation), the CUDA
+    context, and NCCL's buffers. A tenth is advise's choice, not a measured figure:
+    torchtitan's reserved peaks ran 11-17% over advise's allocated ones for the same
+    runs (docs/design/advise.md, "Allocated, not reserved"), so it errs towards "fits".
+    On a CPU, where none of these exist, the same tenth is kept: one rule for both. A
+    model of the caching allocator is to replace it."""
+    return None if not device_bytes else peak_bytes <= usable(device_bytes)
 
 
 def from_file(path: Path) -> GPU:
