@@ -1,13 +1,14 @@
 """CUDA-only paths, checked on a CPU build: what a CUDA run does differently is
 reproduced here by hand (a world bound to a CUDA device, a device count NVML cannot
-give, a worker thread's own autocast dtype), so that each test fails if its fix
-regresses, with no GPU.
+give, a worker thread's own autocast dtype, the GPU this-machine measures), so that
+each test fails if its fix regresses, with no GPU.
 
 Process groups and torchrun's agent run in subprocesses: none is opened in pytest's
 own process."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -15,6 +16,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -315,3 +317,148 @@ def test_auto_on_a_cuda_build_takes_the_cuda_launch_path(monkeypatch):
     monkeypatch.setattr(envinfo, "_build", lambda: ("2.13.0", None))
     assert not one.torchrun  # a CPU build: a plain process, as device: cpu
     assert tiny_spec("ddp", 1, device="cuda").torchrun
+
+
+# --- 6. this-machine: the device and precision the cells run with --------------------
+
+# What fakerank measures on a GPU, faked: an H100's rates by precision (fp32 without
+# TF32, with it, bf16), a copy's bandwidth; and a CPU's GEMM.
+RATES = {
+    ("cuda", "fp32", False): 51e12,
+    ("cuda", "fp32", True): 378e12,
+    ("cuda", "bf16", False): 700e12,
+}
+RATES[("cuda", "bf16", True)] = RATES[("cuda", "bf16", False)]
+CPU_GEMM = 40e9
+
+
+@pytest.fixture
+def cuda_host(monkeypatch):
+    """A host whose torch sees one GPU, of the name `gemms.name` (an H100 SXM unless a
+    test renames it): its name and memory, and the GEMM and copy rates fakerank measures,
+    faked; `gemms` records each GEMM measured as (device type, precision, TF32 on)."""
+    from parabench import fakerank, peak
+
+    class Gemms(list):
+        name = "NVIDIA H100 80GB HBM3"
+
+    gemms = Gemms()
+
+    class Props:  # what torch.cuda.get_device_properties gives
+        total_memory = 81559 * 2**20
+
+        @property
+        def name(self) -> str:
+            return gemms.name
+
+    def gemm(device, size=None, seconds=0.1, sync=None, precision="fp32"):
+        tf32 = torch.backends.cuda.matmul.allow_tf32
+        gemms.append((device.type, precision, tf32))
+        return CPU_GEMM if device.type == "cpu" else RATES[(device.type, precision, tf32)]
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: gemms.name)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: Props())
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(peak, "gemm_flops_per_s", gemm)
+    monkeypatch.setattr(fakerank, "_copy_rate", lambda device: 2.9e12)
+    return gemms
+
+
+@contextlib.contextmanager
+def _tf32(on: bool) -> Iterator[None]:
+    """cuBLAS's TF32 switch, set for a block (monkeypatch cannot undo an attribute that
+    torch's cuBLAS module computes)."""
+    was = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = on
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = was
+
+
+def test_this_machine_prices_a_cpu_run_on_the_cpu_where_torch_sees_a_gpu(cuda_host):
+    from parabench import envinfo
+    from parabench.fakerank import this_machine
+
+    got = this_machine("cpu", "fp32")
+    # the cells ran on the CPU: its GEMM, its cores shared by the ranks, not the GPU's
+    assert [g[:2] for g in cuda_host] == [("cpu", "fp32")]
+    assert got.achievable_flops == got.peak_flops == CPU_GEMM
+    assert got.cores == envinfo.usable_cores() > 0
+    assert got.source.startswith("this host's CPU")
+    # device auto resolves as the cells resolve it: here, to the GPU, whose ranks each
+    # have one (no cores shared)
+    assert this_machine("auto", "bf16").cores == 0
+    assert cuda_host[-1][:2] == ("cuda", "bf16")
+
+
+def test_this_machine_measures_the_gemm_in_the_runs_precision(cuda_host):
+    from parabench.fakerank import this_machine
+
+    with _tf32(False):
+        fp32 = this_machine("cuda", "fp32")
+    # fp32 without TF32 (torch's default, and the cells'): an fp32 GEMM, not a bf16 one,
+    # and no BF16 datasheet peak or fused-attention rate to go with it
+    assert cuda_host == [("cuda", "fp32", False)]
+    assert fp32.achievable_flops == fp32.peak_flops == RATES[("cuda", "fp32", False)]
+    assert fp32.attention_flops == 0.0
+    assert "fp32 (TF32 off" in fp32.source
+    # TF32 on, as the cells would run with it: measured under it, and said
+    with _tf32(True):
+        tf32 = this_machine("cuda", "fp32")
+    assert cuda_host[-1] == ("cuda", "fp32", True)
+    assert tf32.achievable_flops == RATES[("cuda", "fp32", True)]
+    assert "fp32 (TF32 on" in tf32.source
+    # bf16: a bf16 GEMM, and the datasheet's dense BF16 peak and attention rate
+    bf16 = this_machine("cuda", "bf16")
+    assert cuda_host[-1][:2] == ("cuda", "bf16")
+    assert bf16.achievable_flops == RATES[("cuda", "bf16", False)]
+    assert bf16.peak_flops == 989e12 and bf16.attention_flops == 0.35 * 989e12
+    assert bf16.cores == 0 and bf16.memory_bytes == 81559 * 2**20
+
+
+def test_this_machine_on_a_cuda_run_without_a_gpu_says_so(monkeypatch):
+    from parabench.fakerank import this_machine
+    from parabench.gpus import GPUError
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(GPUError, match=r"advise\.gpu: this-machine .* device is cuda"):
+        this_machine("cuda", "bf16")
+
+
+@pytest.mark.parametrize(
+    "name, peak",
+    [
+        ("NVIDIA H100 80GB HBM3", 989e12),
+        ("NVIDIA H100 PCIe", 756.5e12),
+        ("NVIDIA H100 NVL", 835.5e12),
+        ("NVIDIA H200", 989e12),
+        ("NVIDIA A100-SXM4-80GB", 312e12),
+        ("NVIDIA A100-SXM4-40GB", 312e12),
+        ("NVIDIA A100 80GB PCIe", 312e12),
+        ("NVIDIA A100-PCIE-40GB", 312e12),
+        # not a device of the table, though its name holds one's: the measured rate
+        ("NVIDIA H100 80GB HBM3 MIG 1g.10gb", None),
+        ("NVIDIA GH200 480GB", None),
+        ("NVIDIA H200 NVL", None),
+    ],
+)
+def test_this_machine_knows_a_gpu_by_its_whole_name(cuda_host, name, peak):
+    from parabench import gpus
+    from parabench.fakerank import this_machine
+
+    cuda_host.name = name
+    got = this_machine("cuda", "bf16")
+    measured = RATES[("cuda", "bf16", False)]
+    assert got.achievable_flops == measured
+    if peak is None:
+        assert got.peak_flops == measured and got.attention_flops == 0.0
+        assert f"the measured rate: {name!r} is not in gpus.DEVICES" in got.source
+        return
+    sheet = gpus.DEVICES[name]
+    assert got.peak_flops == sheet.peak_flops == peak
+    assert 0 < got.attention_flops < peak
+    # each figure cited, and the dense rate where the datasheet states the sparse one
+    assert "dense BF16" in sheet.source or "with sparsity" in sheet.source
+    assert sheet.source in got.source

@@ -218,3 +218,27 @@ def test_a_crashed_ranks_process_still_leaves_a_row_per_rank(tmp_path):
     assert (ranks["status"] == "failed").all()
     assert ranks["reason"].str.contains("killed by signal SIGABRT").all()
     assert "before it was measured" in ranks.loc["grad_accum", "reason"]
+
+
+def test_plan_keeps_advises_headroom_free_of_the_device():
+    # a peak within the raw card but not within it less the tenth kept free for the
+    # caching allocator's reserve, the CUDA context and NCCL's buffers: no fit, as advise
+    # decides it (gpus.fits, one rule for both)
+    from parabench import gpus, plan
+
+    card = 80 * 2**30
+    row = {
+        "compute_s": 0.1,
+        "comm_by_dim": {},
+        "samples_per_rank": 8,
+        "device_memory_bytes": card,
+    }
+    spec, f = tiny_spec("ddp", 8, scaling="weak"), fabric.PROFILES["h100-nvlink-ndr400"]
+    for peak, fits in [(0.95 * card, False), (0.89 * card, True), (0.5 * card, True)]:
+        got = plan.predict({**row, "peak_memory_bytes": peak}, spec, f)["fits"]
+        assert got is fits, (peak / card, got)
+        assert gpus.fits(peak, card) is fits
+    assert (
+        plan.predict({**row, "peak_memory_bytes": 1, "device_memory_bytes": None}, spec, f)["fits"]
+        is None
+    )

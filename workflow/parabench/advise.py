@@ -44,6 +44,7 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from parabench import gpus
 from parabench.catalog import MESH_DIMS
 from parabench.fabric import Fabric
 from parabench.gpus import GPU
@@ -53,9 +54,6 @@ from parabench.spec import ModelSpec
 
 MAX_PP = 16  # deeper pipelines need global batches beyond what training runs use
 MICRO_CAP = 16  # samples per micro-batch tried, at most
-# What the tracker does not see on a GPU, kept free: the caching allocator's reserve
-# over allocated (fragmentation), the CUDA context and NCCL's buffers.
-HEADROOM = 0.10
 AC_ORDER = ("none", "selective", "full")
 SCHEDULES = ("1f1b", "gpipe")
 
@@ -332,7 +330,6 @@ class Search:
         # the first stage's other micro-batches in flight: what its blocks saved for each
         extra = (in_flight(c) - 1) * m.block_saved_bytes
         peak = m.peak_bytes + extra
-        usable = self.gpu.memory_bytes * (1 - HEADROOM)
         how = f"measured at {m.blocks} blocks"
         if m.extended_from:
             lo, hi = m.extended_from
@@ -347,7 +344,7 @@ class Search:
                 f"{k}_bytes": m.by_category.get(k, 0)
                 for k in ("param", "grad", "opt", "act", "temp")
             },
-            fits=peak <= usable,
+            fits=gpus.fits(peak, self.gpu.memory_bytes),
             **predict(c, m, self.gpu, self.fabric, tokens),
         )
         row["binding"] = binding(row)

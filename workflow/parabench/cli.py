@@ -546,7 +546,8 @@ def _advise(args: argparse.Namespace) -> int:
         if adv["gpu"] == THIS_MACHINE:
             from parabench.fakerank import this_machine
 
-            gpu = this_machine()
+            # the device the cells run on (`device`), in the precision advise prices
+            gpu = this_machine(config["device"], adv["precision"])
         else:
             gpu = resolve_gpu(adv["gpu"])
     except (ConfigError, FabricError, GPUError, OSError) as e:

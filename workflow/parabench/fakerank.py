@@ -48,7 +48,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from parabench import envinfo, gpus
+from parabench import envinfo, gpus, peak, runtime
 from parabench.catalog import MESH_DIMS
 from parabench.gpus import GPU
 from parabench.models import build
@@ -627,12 +627,14 @@ def at_blocks(spec: ModelSpec, shape: Shape, blocks: int) -> Measured:
 # --- this host, as a device ---------------------------------------------------------
 
 
-def this_machine(size: int = 512) -> GPU:
-    """This host as a device: its GPU where it has one (`_this_gpu`), else its CPU: a
-    GEMM's rate on one thread, a copy's bandwidth, and the time an op takes through
-    torch's dispatcher (what small ops cost here), each the best of several runs."""
-    if torch.cuda.is_available():
-        return _this_gpu()
+def this_machine(device: str, precision: str, size: int = 512) -> GPU:
+    """This host as the device the run's cells run on (`device`: the config's, auto
+    resolved as the cells resolve it), its GEMM measured in the cells' `precision`: its
+    first GPU (`_this_gpu`), or its CPU: a GEMM's rate on one thread, a copy's
+    bandwidth, and the time an op takes through torch's dispatcher (what small ops cost
+    here), each the best of several runs, and the cores its ranks share."""
+    if runtime.resolve_device_type(device) == "cuda":
+        return _this_gpu(precision)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -646,8 +648,7 @@ def this_machine(size: int = 512) -> GPU:
                 times.append(time.perf_counter() - t0)
             return min(times)
 
-        a, b = torch.randn(size, size), torch.randn(size, size)
-        gemm = 2 * size**3 / best(lambda: a @ b)
+        gemm = peak.gemm_flops_per_s(torch.device("cpu"), size, precision=precision)
         x = torch.randn(64 * 2**20 // 4)  # 64 MiB: past the caches
         y = torch.empty_like(x)
         copy = 2 * x.numel() * 4 / best(lambda: y.copy_(x))
@@ -661,7 +662,7 @@ def this_machine(size: int = 512) -> GPU:
         gemm,
         float(envinfo.available_memory() or 0),
         copy,
-        f"this host's CPU, measured on one thread: fp32 GEMM {size}x{size}x{size} "
+        f"this host's CPU, measured on one thread: {precision} GEMM {size}x{size}x{size} "
         f"{gemm / 1e9:.1f} GFLOP/s, copy {copy / 1e9:.1f} GB/s, {floor * 1e6:.1f} us per "
         f"op of a small model's training step (autograd and the optimizer included); "
         f"{cores} cores shared by the ranks",
@@ -690,45 +691,62 @@ def _op_cost(best) -> float:
     return best(step) / max(1.0, counting.work.op_count())
 
 
-def _this_gpu(size: int = 8192) -> GPU:
-    """The first GPU: a bf16 GEMM's rate and a copy's bandwidth, measured (the best of
-    five, CUDA events), its memory and its datasheet peak where a profile names it
-    (else the measured rate). Never run on a GPU yet: no GPU has been lent to this
-    project's sessions."""
+def _this_gpu(precision: str, size: int = 8192) -> GPU:
+    """The first GPU: a GEMM's rate in the cells' `precision` (fp32 with TF32 as this
+    process has it, which is the cells' setting: nothing here changes it, and each cell
+    records it) and a copy's bandwidth, measured; its memory; its datasheet peak and
+    attention's rate where `gpus.DEVICES` knows its name and the run is bf16 (the
+    datasheet's peak is BF16's), else the measured rate. Each rank has a GPU of its own:
+    no cores are shared (`cores` 0). Never run on a GPU yet: no GPU has been lent to
+    this project's sessions (tests/test_cuda_paths.py fakes what it reads)."""
+    if not torch.cuda.is_available():
+        raise gpus.GPUError(
+            "advise.gpu: this-machine measures the device the cells run on, and device is "
+            "cuda, but torch sees no GPU on this host"
+        )
     dev = torch.device("cuda", 0)
-    props = torch.cuda.get_device_properties(dev)
-
-    def best(fn, runs: int = 5) -> float:
-        fn()
-        times = []
-        for _ in range(runs):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        return min(times)
-
-    def rates() -> tuple[float, float]:  # its tensors freed on return
-        a = torch.randn(size, size, device=dev, dtype=torch.bfloat16)
-        b = torch.randn(size, size, device=dev, dtype=torch.bfloat16)
-        x = torch.empty(2**30, dtype=torch.uint8, device=dev)
-        y = torch.empty_like(x)
-        return 2 * size**3 / best(lambda: a @ b), 2 * x.numel() / best(lambda: y.copy_(x))
-
-    gemm, copy = rates()
+    name = torch.cuda.get_device_name(dev)
+    memory = torch.cuda.get_device_properties(dev).total_memory
+    gemm = peak.gemm_flops_per_s(dev, size, precision=precision)
+    copy = _copy_rate(dev)
     torch.cuda.empty_cache()
-    named = next((g for k, g in gpus.PROFILES.items() if k in props.name.lower()), None)
-    peak = named.peak_flops if named else gemm
+    arithmetic = precision
+    if precision == "fp32":
+        tf32 = torch.backends.cuda.matmul.allow_tf32
+        arithmetic = f"fp32 (TF32 {'on' if tf32 else 'off'}: matmul.allow_tf32, as the cells run)"
+    sheet = gpus.DEVICES.get(name)
+    if sheet and precision == "bf16":
+        peak_flops, attention, said = sheet.peak_flops, sheet.attention_flops, sheet.source
+    elif sheet:
+        peak_flops, attention = gemm, 0.0
+        said = "the measured rate: its datasheet's peak is BF16's, and the run is fp32"
+    else:
+        peak_flops, attention = gemm, 0.0
+        said = f"the measured rate: {name!r} is not in gpus.DEVICES"
     return GPU(
         gpus.THIS_MACHINE,
-        peak,
+        peak_flops,
         gemm,
-        float(props.total_memory),
+        float(memory),
         copy,
-        f"{props.name}, measured: bf16 GEMM {size}^3 {gemm / 1e12:.0f} TFLOP/s, copy "
-        f"{copy / 1e9:.0f} GB/s; peak {peak / 1e12:.0f} TFLOP/s "
-        + ("(the datasheet's)" if named else "(none known: the measured rate)"),
-        attention_flops=named.attention_flops if named else 0.0,
+        f"{name}, measured: {arithmetic} GEMM {size}^3 {gemm / 1e12:.1f} TFLOP/s, copy "
+        f"{copy / 1e9:.0f} GB/s; peak {peak_flops / 1e12:.1f} TFLOP/s ({said})",
+        attention_flops=attention,
     )
+
+
+def _copy_rate(dev: torch.device) -> float:
+    """Bytes/s a 1 GiB device-to-device copy reads and writes, the best of five (CUDA
+    events); its tensors freed on return."""
+    x = torch.empty(2**30, dtype=torch.uint8, device=dev)
+    y = torch.empty_like(x)
+    y.copy_(x)
+    times = []
+    for _ in range(5):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        y.copy_(x)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return 2 * x.numel() / min(times)

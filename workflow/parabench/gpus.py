@@ -18,8 +18,13 @@ kernel's shortest run). Each figure says where it comes from:
 - bandwidth: the datasheet's. No authoritative achievable fraction was found, so
   memory-bound ops are priced at the peak: another reason predictions err fast.
 
-`this-machine` is the host's own CPU, measured when asked for (fakerank.this_machine):
-what the on-machine ranking check prices the default run's cells at.
+`this-machine` is this host's device, measured when asked for (fakerank.this_machine):
+its CPU, or its first GPU where the run's `device` is CUDA. What it cannot measure, a
+GPU's datasheet peak and fused attention's rate, it takes from `DEVICES`, matched by
+the name the device reports. It is what the on-machine ranking check prices the
+default run's cells at.
+
+`fits` decides whether a rank's peak fits a device, for plan and advise alike.
 
 A user's own: a YAML or JSON file with the same keys (name, peak_flops,
 achievable_flops, memory_bytes, bandwidth, source; op_floor_s optional).
@@ -67,6 +72,13 @@ _MAMF = (
     "Matmul FLOPS comparison table'"
 )
 
+_H100_SXM = "H100 SXM 80 GB HBM3 at 700 W: 989 TFLOP/s dense BF16, 3.35 TB/s (datasheet)"
+_H200_SXM = "H200 SXM 141 GB HBM3e: 989 TFLOP/s dense BF16, 4.8 TB/s (datasheet)"
+_A100_SXM_80 = "A100 SXM 80 GB HBM2e: 312 TFLOP/s dense BF16, 2,039 GB/s (datasheet)"
+_FA2_A100 = (
+    "attention 156 TFLOP/s (FlashAttention-2's paper: 50-73% of peak on A100, its lower end)"
+)
+
 PROFILES: dict[str, GPU] = {
     "h100": GPU(
         "h100",
@@ -74,8 +86,7 @@ PROFILES: dict[str, GPU] = {
         794.5e12,
         81559 * MiB,
         3.35e12,
-        f"H100 SXM 80 GB HBM3 at 700 W: 989 TFLOP/s dense BF16, 3.35 TB/s (datasheet), "
-        f"81,559 MiB (what the device reports); "
+        f"{_H100_SXM}, 81,559 MiB (what the device reports); "
         f"achievable 794.5 TFLOP/s ({_MAMF}: 80.3% of peak); {_FA2_H100}",
         attention_flops=0.35 * 989e12,
     ),
@@ -97,9 +108,8 @@ PROFILES: dict[str, GPU] = {
         794.5e12,
         143771 * MiB,
         4.8e12,
-        "H200 SXM 141 GB HBM3e: 989 TFLOP/s dense BF16, 4.8 TB/s (datasheet), 143,771 MiB "
-        "(what the device reports); achievable "
-        f"794.5 TFLOP/s ({_MAMF}, which lists H200 as H100's compute); {_FA2_H100}",
+        f"{_H200_SXM}, 143,771 MiB (what the device reports); achievable 794.5 TFLOP/s "
+        f"({_MAMF}, which lists H200 as H100's compute); {_FA2_H100}",
         attention_flops=0.35 * 989e12,
     ),
     "a100": GPU(
@@ -108,29 +118,111 @@ PROFILES: dict[str, GPU] = {
         271.2e12,
         81920 * MiB,
         2.039e12,
-        "A100 SXM 80 GB HBM2e: 312 TFLOP/s dense BF16, 2,039 GB/s (datasheet), 81,920 MiB "
-        "(what the device reports); achievable "
-        f"271.2 TFLOP/s ({_MAMF}: 86.9% of peak); attention 156 TFLOP/s (FlashAttention-2's "
-        "paper: 50-73% of peak on A100, its lower end)",
+        f"{_A100_SXM_80}, 81,920 MiB (what the device reports); achievable 271.2 TFLOP/s "
+        f"({_MAMF}: 86.9% of peak); {_FA2_A100}",
         attention_flops=0.5 * 312e12,
     ),
 }
 
-# What the memory tracker does not see on a GPU, kept free: the caching allocator's
-# reserve over allocated (fragmentation), the CUDA context and NCCL's buffers.
+THIS_MACHINE = "this-machine"
+NAMES = (*PROFILES, THIS_MACHINE)
+
+
+@dataclasses.dataclass(frozen=True)
+class Datasheet:
+    """What this-machine cannot measure on a GPU it knows: the peak MFU divides by, and
+    fused attention's rate (its GEMM rate, memory and bandwidth it measures)."""
+
+    peak_flops: float  # dense BF16 FLOP/s, the datasheet's
+    attention_flops: float  # FLOP/s of fused attention
+    source: str
+
+
+def _fa2_h100(peak: float) -> str:
+    return (
+        f"attention {0.35 * peak / 1e12:.0f} TFLOP/s (FlashAttention-2's 35% of peak on H100 "
+        "SXM, per FlashAttention-3's abstract, at this variant's peak)"
+    )
+
+
+def _fa2_a100(peak: float) -> str:
+    return (
+        f"attention {0.5 * peak / 1e12:.0f} TFLOP/s (FlashAttention-2's paper: 50-73% of "
+        "peak on A100 SXM, its lower end, at this variant's peak)"
+    )
+
+
+def _profiled(key: str, source: str) -> Datasheet:
+    """The device a profile of PROFILES is: its figures, from there."""
+    return Datasheet(PROFILES[key].peak_flops, PROFILES[key].attention_flops, source)
+
+
+_A100 = "NVIDIA A100 Tensor Core GPU datasheet"
+
+# Each GPU by the name it reports (torch.cuda.get_device_name, nvidia-smi's name), matched
+# whole: an H100 PCIe or NVL is an H100 with a lower peak than the SXM's, and a MIG slice
+# ("... MIG 1g.10gb") is none of them. NVIDIA's datasheets give tensor-core rates with
+# 2:4 sparsity from Hopper on: the dense rate is half.
+DEVICES: dict[str, Datasheet] = {
+    "NVIDIA H100 80GB HBM3": _profiled("h100", f"{_H100_SXM}; {_FA2_H100}"),
+    "NVIDIA H100 PCIe": Datasheet(
+        756.5e12,
+        0.35 * 756.5e12,
+        "H100 PCIe 80 GB HBM2e at 300-350 W: 1,513 TFLOP/s BF16 with sparsity, 756.5 dense, "
+        f"2 TB/s (NVIDIA H100 Tensor Core GPU datasheet, H100 PCIe column); {_fa2_h100(756.5e12)}",
+    ),
+    "NVIDIA H100 NVL": Datasheet(
+        835.5e12,
+        0.35 * 835.5e12,
+        "H100 NVL 94 GB HBM3 at 350-400 W: 1,671 TFLOP/s BF16 with sparsity, 835.5 dense, "
+        f"3.9 TB/s (NVIDIA H100 Tensor Core GPU datasheet, H100 NVL column); "
+        f"{_fa2_h100(835.5e12)}",
+    ),
+    "NVIDIA H200": _profiled("h200", f"{_H200_SXM}; {_FA2_H100}"),
+    "NVIDIA A100-SXM4-80GB": _profiled("a100", f"{_A100_SXM_80}; {_FA2_A100}"),
+    "NVIDIA A100-SXM4-40GB": Datasheet(
+        312e12,
+        0.5 * 312e12,
+        f"A100 SXM 40 GB HBM2: 312 TFLOP/s dense BF16, 1,555 GB/s ({_A100}, A100 40GB SXM "
+        f"column); {_fa2_a100(312e12)}",
+    ),
+    "NVIDIA A100 80GB PCIe": Datasheet(
+        312e12,
+        0.5 * 312e12,
+        f"A100 PCIe 80 GB HBM2e: 312 TFLOP/s dense BF16, 1,935 GB/s ({_A100}, A100 80GB PCIe "
+        f"column); {_fa2_a100(312e12)}",
+    ),
+    "NVIDIA A100-PCIE-40GB": Datasheet(
+        312e12,
+        0.5 * 312e12,
+        f"A100 PCIe 40 GB HBM2: 312 TFLOP/s dense BF16, 1,555 GB/s ({_A100}, A100 40GB PCIe "
+        f"column); {_fa2_a100(312e12)}",
+    ),
+}
+
+# The share of a device's memory kept free of a rank's measured peak: see `fits`.
 HEADROOM = 0.10
 
 
+def usable(device_bytes: float) -> float:
+    """The bytes of a device's memory a rank's peak may take: all but HEADROOM."""
+    return device_bytes * (1 - HEADROOM)
+
+
 def fits(peak_bytes: float, device_bytes: float | None) -> bool | None:
-    """Whether a rank's allocated peak fits a device of `device_bytes`, HEADROOM kept
-    free; None where the device's memory is unknown."""
-    if not device_bytes:
-        return None
-    return peak_bytes <= device_bytes * (1 - HEADROOM)
+    """Whether a rank's measured peak fits a device of `device_bytes`, with HEADROOM
+    kept free; None where the device's memory is unknown. The one decision plan, advise
+    and the rehearsal make.
 
-
-THIS_MACHINE = "this-machine"
-NAMES = (*PROFILES, THIS_MACHINE)
+    The peaks measured are allocated bytes (torch's memory trackers, the caching
+    allocator's high-water mark). HEADROOM stands for what a GPU holds beyond them: the
+    caching allocator's reserve over what it has allocated (fragmentation), the CUDA
+    context, and NCCL's buffers. A tenth is advise's choice, not a measured figure:
+    torchtitan's reserved peaks ran 11-17% over advise's allocated ones for the same
+    runs (docs/design/advise.md, "Allocated, not reserved"), so it errs towards "fits".
+    On a CPU, where none of these exist, the same tenth is kept: one rule for both. A
+    model of the caching allocator is to replace it."""
+    return None if not device_bytes else peak_bytes <= usable(device_bytes)
 
 
 def from_file(path: Path) -> GPU:

@@ -9,7 +9,8 @@ DDP buckets its gradients. For that rank:
 - memory, measured: the bytes of parameters, gradients and optimizer state it holds
   between steps (from the tensors) and its peak in a step (the profiler's allocator
   total on CPU, the allocator's high-water mark on CUDA), so "does it fit" is an
-  observation;
+  observation, with a tenth of the device kept free for what a GPU holds beyond it
+  (`gpus.fits`, as advise decides it);
 - its compute step, measured: its share of the batch (weak scaling: the per-device
   batch, whatever N; strong: the global batch / N), no communication;
 - the collectives it issues per step and their bytes, counted by the group itself in
@@ -35,16 +36,12 @@ from pathlib import Path
 
 import pandas as pd
 
-from parabench import checks, envinfo
+from parabench import checks, envinfo, gpus
 from parabench.config import plan_key, planned_specs
 from parabench.fabric import Fabric
 from parabench.records import PLAN_COLUMNS, PLAN_KEY, read_rows, write_rows
 from parabench.scaling import bubble_time, layout_comm
 from parabench.spec import RunSpec
-
-
-def _fits(peak: int, memory: int | None) -> bool | None:
-    return None if not memory else peak <= memory
 
 
 def _dp_share(spec: RunSpec) -> float:
@@ -70,7 +67,7 @@ def predict(row: dict, spec: RunSpec, fabric: Fabric) -> dict:
         "samples_per_s_per_device": row["samples_per_rank"] / step * _dp_share(spec),
         # what a device would do alone (its compute) over what it does in the world
         "scaling_efficiency": compute / step,
-        "fits": _fits(row["peak_memory_bytes"], row["device_memory_bytes"]),
+        "fits": gpus.fits(row["peak_memory_bytes"], row["device_memory_bytes"]),
     }
 
 

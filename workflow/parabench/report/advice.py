@@ -78,9 +78,9 @@ def _sections(adv: pd.DataFrame) -> list[dict]:
         fits = ok[ok["fits"].astype(str).str.lower() == "true"].sort_values("step_s")
         usable = None
         if len(ok):
-            from parabench.advise import HEADROOM
+            from parabench.gpus import usable as usable_bytes
 
-            usable = float(ok["device_memory_bytes"].iloc[0]) * (1 - HEADROOM)
+            usable = usable_bytes(float(ok["device_memory_bytes"].iloc[0]))
         # one row per layout, checkpointing and micro-batch: a pipeline's two schedules
         # cost the same step, and the first listed stands for both
         distinct = fits.drop_duplicates(["layout", "ac", "micro_batch", "zero"])
