@@ -475,17 +475,6 @@ def _tracker_class() -> type:
         which advise reads none of, cost a pass over every module after every op (a
         third of a fake step). Its snapshots at each module's end of forward stay."""
 
-        def _pre_fw_hook(self, module, inputs) -> None:
-            # The root called again within the step (gradient accumulation's and a
-            # pipeline's micro-batches: what the rehearsal runs), which MemTracker
-            # refuses as a next iteration: its per-module stats start again; the
-            # step-wide peak, all that is read of them there, stays.
-            name = self._mod_tracker.get_known_fqn(module)
-            again = module in self.memory_tracking and not self._mod_tracker.is_bw
-            if again and set(self._mod_tracker.parents) - {name} == {"Global"}:
-                self.reset_mod_stats()
-            super()._pre_fw_hook(module, inputs)
-
         def _update_peak_stats(self, peak_state) -> None:
             for dev, snap in self._curr_mem_snap.items():
                 if self._peak_mem.get(dev, 0) < snap[_TOTAL_KEY]:
@@ -493,6 +482,45 @@ def _tracker_class() -> type:
                     self._peak_mem_snap[dev] = dict(snap)
 
     return PeakTracker
+
+
+@functools.cache
+def total_tracker_class() -> type:
+    """PeakTracker following no module: the step's total peak, all the rehearsal reads
+    (rehearse.py). Its module hooks are most of its cost (a multi-grad hook registered
+    at each module's call), and MemTracker refuses a root module called twice in a step
+    (gradient accumulation's and a pipeline's micro-batches). Every tensor the step
+    makes is still tracked as the ops make it, gradients included; only the split by
+    category then differs (gradients count as temporaries)."""
+
+    class Blind:
+        """What MemTracker asks of its module tracker: where the step is, forward or
+        backward, by autograd's own state."""
+
+        parents = frozenset({"Global"})
+
+        def register_user_hooks(self, *hooks) -> None:
+            pass
+
+        def clear_user_hooks(self) -> None:
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *args) -> None:
+            pass
+
+        @property
+        def is_bw(self) -> bool:
+            return torch._C._current_graph_task_id() != -1
+
+    class TotalTracker(_tracker_class()):
+        def __init__(self) -> None:
+            super().__init__()
+            self._mod_tracker = Blind()
+
+    return TotalTracker
 
 
 def measure(spec: ModelSpec, shape: Shape) -> Measured:

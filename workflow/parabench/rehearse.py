@@ -17,9 +17,9 @@ pipeline stage, and the last rank, which drives its node's highest device index)
   own strategy (strategies.build, which also makes its optimizer with CUDA's defaults:
   foreach) inside FakeTensorMode, on fake CUDA tensors;
 - two steps through loop.run_step on its shard of the global batch: the first makes
-  the optimizer's state; the second under torch's MemTracker (the rank's peak) and the
-  op counter advise uses (fakerank.Counting: its FLOPs, and their time on the GPU
-  profile, an estimate of its compute per step);
+  the optimizer's state; the second under torch's MemTracker (the rank's total peak:
+  fakerank.total_tracker_class) and the op counter advise uses (fakerank.Counting: its
+  FLOPs, and their time on the GPU profile, an estimate of its compute per step);
 - what the cell does after its steps: held_bytes, and full_state, the equivalence
   check's gather.
 
@@ -66,23 +66,32 @@ LIMITS = {
 UNREHEARSABLE = {"dp": LIMITS["dp"]}
 
 
-def ranks_of(spec: RunSpec) -> dict[int, bool]:
+def ranks_of(spec: RunSpec, last: bool = True) -> dict[int, bool]:
     """The ranks of a cell that can differ, each with whether it is measured: the first
     rank of each pipeline stage (pp is the mesh's outermost dimension, so stage s begins
-    at rank s x n / pp), measured; and the last rank, which drives its node's highest
-    device index, its code run without the measurement where it is no stage's first."""
+    at rank s x n / pp), measured; and, with `last`, the last rank, which drives its
+    node's highest device index, its code run without the measurement where it is no
+    stage's first."""
     ranks = spec.ranks
     firsts = [s * (ranks // spec.stages) for s in range(spec.stages)] if ranks > 1 else [0]
-    return {r: r in firsts for r in sorted({*firsts, ranks - 1})}
+    return {r: r in firsts for r in sorted({*firsts, *([ranks - 1] if last else [])})}
 
 
 def planned(config: dict) -> list[tuple[RunSpec, int, bool]]:
-    """(spec, rank, measured) of every rank the rehearsal runs (see ranks_of)."""
+    """(spec, rank, measured) of every rank the rehearsal runs (see ranks_of): the last
+    rank where the strategy runs most ranks for its model and variant (the device index
+    is the one thing a last rank changes, the same code at every count)."""
+    specs = [cell.spec for cell in cells(config) if cell.spec.repeat == 0]
+    most: dict[tuple, int] = {}
+    for spec in specs:
+        key = (spec.model_name, spec.variant, spec.strategy)
+        most[key] = max(most.get(key, 0), spec.ranks)
     return [
-        (cell.spec, rank, measured)
-        for cell in cells(config)
-        if cell.spec.repeat == 0
-        for rank, measured in ranks_of(cell.spec).items()
+        (spec, rank, measured)
+        for spec in specs
+        for rank, measured in ranks_of(
+            spec, last=spec.ranks == most[(spec.model_name, spec.variant, spec.strategy)]
+        ).items()
     ]
 
 
@@ -108,11 +117,11 @@ def code_hash() -> str:
 
 def rank(spec: RunSpec, r: int, gpu, device: str, gpus_per_node: int, measure: bool = True) -> dict:
     """Rehearse rank `r` of `spec` (see the module's docstring): its row's figures;
-    without `measure`, its code only (built, two steps, its state gathered)."""
+    without `measure`, its code only (built, one step, its state gathered)."""
     import torch
 
     from parabench import runtime, strategies
-    from parabench.fakerank import Counting, _tracker_class
+    from parabench.fakerank import Counting, total_tracker_class
     from parabench.loop import run_step, synchronizer
     from parabench.models import build
     from parabench.models.base import fake_mode, quiet_fake
@@ -139,12 +148,12 @@ def rank(spec: RunSpec, r: int, gpu, device: str, gpus_per_node: int, measure: b
             batches = batch_source(model, spec, strategy)
             sync = synchronizer(strategy.devices())
             run_step(strategy, batches, 0, sync)  # the optimizer's state made
-            tracker = _tracker_class()() if measure else contextlib.nullcontext()
-            if measure:
+            if measure:  # a second step, as every later one, measured
+                tracker = total_tracker_class()()
                 tracker.track_external(strategy.module, strategy.local_optimizer())
-            counting = Counting({}) if measure else contextlib.nullcontext()
-            with tracker, counting:
-                run_step(strategy, batches, 1, sync)
+                counting = Counting({})
+                with tracker, counting:
+                    run_step(strategy, batches, 1, sync)
             held = strategy.held_bytes()
             strategy.full_state()
     got = {"status": OK, "reason": "", "device": str(dev), "held_bytes": sum(held.values())}
