@@ -235,3 +235,40 @@ def test_every_shipped_config_rehearses(tmp_path, path):
     for r in rows:
         if r["strategy"] == "dp":
             assert r["status"] in ("not rehearsed", "skipped"), r
+
+
+# One rank's step under torch's MemTracker as advise runs it (it follows each module)
+# and as the rehearsal does (total_tracker_class: no module hooks): the same total.
+TRACKERS = """
+import json, sys
+from parabench import fakerank, gpus, rehearse
+from parabench.config import cells, checked
+cfg = checked(json.loads(sys.argv[1]))
+got = {}
+for cell in cells(cfg):
+    spec = cell.spec
+    peaks = []
+    for cls in (fakerank._tracker_class, fakerank.total_tracker_class):
+        rehearse.total_tracker_class = cls
+        row = rehearse.rank(spec, 0, gpus.resolve("h100"), "cpu", 8)
+        peaks.append(row["peak_memory_bytes"])
+    got[spec.path] = peaks
+print(json.dumps(got))
+"""
+
+
+def test_the_rehearsals_total_peak_is_torchs_memtrackers(tmp_path):
+    cfg = config(tmp_path, device="cpu", strategies=["single", "fsdp", "tp"], devices=[2])
+    cfg["precision"] = ["bf16"]
+    proc = subprocess.run(
+        [sys.executable, "-c", TRACKERS, json.dumps(cfg)],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.splitlines()[-1])
+    assert len(got) == 3
+    for path, (module_tracker, total_tracker) in got.items():
+        assert module_tracker > 0 and total_tracker == module_tracker, path
