@@ -7,7 +7,8 @@ other sizes (gigabytes of parameters). So every cell of a config runs here at it
 size and world size, through its own code, on fake tensors of its device: nothing is
 allocated, and a 7B model costs what a toy does. For each cell (its first repeat: the
 others run the same code) and each of its distinct ranks (the first rank of each
-pipeline stage, and the last rank, which drives its node's highest device index):
+pipeline stage; and the last rank, on its node's highest device index, where the
+strategy runs the most ranks for its model: `planned`):
 
 - the rank alone in this process, in a world of the cell's size whose collectives
   return at once (runtime.alone, as the scaling model measures a rank), local rank
@@ -16,17 +17,20 @@ pipeline stage, and the last rank, which drives its node's highest device index)
 - the model built on the meta device, then placed, wrapped and sharded by the cell's
   own strategy (strategies.build, which also makes its optimizer with CUDA's defaults:
   foreach) inside FakeTensorMode, on fake CUDA tensors;
-- two steps through loop.run_step on its shard of the global batch: the first makes
-  the optimizer's state; the second under torch's MemTracker (the rank's total peak:
+- two steps through loop.run_step on its shard of the global batch (a last rank that
+  is no stage's first: one): the first makes the optimizer's state; the second under
+  torch's MemTracker (the rank's total peak:
   fakerank.total_tracker_class) and the op counter advise uses (fakerank.Counting: its
   FLOPs, and their time on the GPU profile, an estimate of its compute per step);
 - what the cell does after its steps: held_bytes, and full_state, the equivalence
   check's gather.
 
 A rank is ok, failed (its exception), skipped (its strategy's own reason on such a
-node: more GPUs than it has), or not rehearsed (NOT_REHEARSED: what fake tensors cannot
-stand in for). Its peak is set against the memory of the GPU named by --gpu, with the
-headroom plan and advise keep (gpus.fits).
+node: more GPUs than it has), or not rehearsed (UNREHEARSABLE: a strategy whose own
+mechanism fake tensors cannot run). Its peak is set against the memory of the GPU named
+by rehearse.gpu, with the headroom plan and advise keep (gpus.fits). What no rank can
+rehearse (LIMITS) and what the rehearsal replaces because fake tensors hold no data
+(STAND_INS) are said.
 
 The rehearsal runs in a process of its own (`in_child`): on a CPU-only torch the fake
 CUDA device must be loaded before torch is (fakecuda.install).
@@ -45,11 +49,15 @@ import time
 import traceback
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from parabench import checks
 from parabench.config import cells, rank_key
 from parabench.records import REHEARSAL_COLUMNS, REHEARSAL_KEY, read_rows, write_rows
 from parabench.spec import RunSpec
+
+if TYPE_CHECKING:
+    from parabench.gpus import GPU
 
 OK, FAILED, SKIPPED, NOT_REHEARSED = "ok", "failed", "skipped", "not rehearsed"
 
@@ -107,7 +115,8 @@ def code_hash() -> str:
     from parabench.envinfo import torch_build
 
     digest = hashlib.sha256(str(torch_build()[0]).encode())
-    for path in sorted(Path(__file__).parent.rglob("*.py")):
+    package = Path(__file__).parent
+    for path in sorted([*package.rglob("*.py"), *package.glob("*.cpp")]):
         digest.update(path.read_bytes())
     return digest.hexdigest()[:12]
 
@@ -115,12 +124,15 @@ def code_hash() -> str:
 # --- one rank -----------------------------------------------------------------------
 
 
-def rank(spec: RunSpec, r: int, gpu, device: str, gpus_per_node: int, measure: bool = True) -> dict:
+def rank(
+    spec: RunSpec, r: int, gpu: GPU, device: str, gpus_per_node: int, measure: bool = True
+) -> dict:
     """Rehearse rank `r` of `spec` (see the module's docstring): its row's figures;
     without `measure`, its code only (built, one step, its state gathered)."""
     import torch
 
     from parabench import runtime, strategies
+    from parabench.cell import batch_source
     from parabench.fakerank import Counting, total_tracker_class
     from parabench.loop import run_step, synchronizer
     from parabench.models import build
@@ -143,8 +155,6 @@ def rank(spec: RunSpec, r: int, gpu, device: str, gpus_per_node: int, measure: b
         model = dataclasses.replace(model, device_batches=False)
         with quiet_fake(), stand_ins(), fake_mode():
             strategy = strategies.build(model, spec, ctx)
-            from parabench.cell import batch_source
-
             batches = batch_source(model, spec, strategy)
             sync = synchronizer(strategy.devices())
             run_step(strategy, batches, 0, sync)  # the optimizer's state made
@@ -206,7 +216,12 @@ def _patched(owner, name: str, value) -> Iterator[None]:
     if not hasattr(owner, name):
         yield
         return
-    saved = owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)
+    # a class's own attribute as it is (a staticmethod, a property), not as looked up
+    saved = (
+        vars(owner).get(name, getattr(owner, name))
+        if isinstance(owner, type)
+        else getattr(owner, name)
+    )
     setattr(owner, name, value)
     try:
         yield
