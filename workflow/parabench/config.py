@@ -87,6 +87,46 @@ def as_integers(data, schema: dict):
     return data
 
 
+def from_command_line(data, schema: dict):
+    """`data`, given on Snakemake's command line (--config), as YAML reads it. Snakemake
+    reads a value's top level itself (repeats=5 is an int) but what a list or mapping
+    holds as strings (YAML's BaseLoader: devices=[1,2] arrives as ["1", "2"],
+    plan={enabled: false} as "false"): each such string is read again by YAML's safe
+    loader wherever the schema wants no string, so the command line means what the same
+    text means in a config file."""
+    if isinstance(data, str):
+        if _allows_string(schema):
+            return data
+        try:
+            read = yaml.safe_load(data)
+        except yaml.YAMLError:
+            return data  # the schema names the key
+        return data if isinstance(read, str) else from_command_line(read, schema)
+    if isinstance(data, dict):
+        branch = _branch(schema, "object")
+        props, extra = branch.get("properties", {}), branch.get("additionalProperties")
+        default = extra if isinstance(extra, dict) else {}
+        return {k: from_command_line(v, props.get(k, default)) for k, v in data.items()}
+    if isinstance(data, list):
+        items = _branch(schema, "array").get("items")
+        return [from_command_line(v, items if isinstance(items, dict) else {}) for v in data]
+    return data
+
+
+def _allows_string(schema: dict) -> bool:
+    """Whether the schema takes a string here (its type, an enum of names, a branch)."""
+    if any(_allows_string(s) for s in schema.get("anyOf", [])):
+        return True
+    kinds = schema.get("type")
+    kinds = kinds if isinstance(kinds, list) else [kinds]
+    return "string" in kinds or any(isinstance(v, str) for v in schema.get("enum", []))
+
+
+def _branch(schema: dict, kind: str) -> dict:
+    """The schema of a value of this JSON type: its anyOf branch of that type, if any."""
+    return next((s for s in schema.get("anyOf", []) if s.get("type") == kind), schema)
+
+
 def checked(data: dict) -> dict:
     """`data` checked against the schema, with the schema's defaults filled in;
     ConfigError names the key."""
