@@ -309,9 +309,9 @@ def guard_table(
 
 def launch_ranks(config: dict, out: Path) -> int:
     """`parabench ranks`: measure one rank of each multi-rank cell alone (ranks.py) in
-    a child process under guard_table, so out/ranks.csv ends with a row for every rank
-    (cell_timeout_s for each cell's ranks). Returns 0: the sweep goes on to its summary
-    and report."""
+    a child process under guard_table, which starts it again after a rank that killed
+    it (cell_timeout_s for each cell's ranks), so out/ranks.csv ends with a row for
+    every rank. Returns 0: the sweep goes on to its summary and report."""
     from parabench.config import alone_ranks, rank_key
     from parabench.records import RANK_COLUMNS, RANK_KEY
 
@@ -320,7 +320,7 @@ def launch_ranks(config: dict, out: Path) -> int:
     timeout = config["cell_timeout_s"] * max(1, len({spec for spec, _ in ranks}))
     argv = [*ranks_command(config, out, sys.executable), "--measure"]
     out.mkdir(parents=True, exist_ok=True)
-    guard_table(argv, out / "ranks.csv", RANK_COLUMNS, RANK_KEY, wanted, timeout, "ranks")
+    guard_table(argv, out / "ranks.csv", RANK_COLUMNS, RANK_KEY, wanted, timeout, "ranks", True)
     return 0
 
 

@@ -39,7 +39,7 @@ from parabench.config import alone_ranks, rank_key
 from parabench.data import Shard, SyntheticBatches
 from parabench.loop import run_step, synchronizer
 from parabench.models import build
-from parabench.records import RANK_COLUMNS, write_rows
+from parabench.records import RANK_COLUMNS, RANK_KEY, read_rows, write_rows
 from parabench.spec import RunSpec
 from parabench.strategies import checkpointing
 
@@ -200,10 +200,18 @@ def threads_of(spec: RunSpec, rank: int, cores: int) -> int:
 def run_ranks(config: dict, out: Path) -> None:
     """Measure every rank of config.alone_ranks(config), one after another, each with
     the threads its rank of the cell gets; out/ranks.csv is rewritten after each, so a
-    crash loses none measured before it (launch.launch_ranks accounts for the rest)."""
+    crash loses none measured before it. Rows already in out/ranks.csv are kept, not
+    measured again: launch.launch_ranks, which runs this in a child, starts it again
+    after a rank that killed it, having recorded that rank as failed."""
     cores = envinfo.usable_cores()
-    rows = []
-    for spec, rank in alone_ranks(config):
+    path = out / "ranks.csv"
+    wanted = alone_ranks(config)
+    keys = {_key(rank_key(spec, rank)) for spec, rank in wanted}
+    rows = [row for row in read_rows(path) if _key(row) in keys]
+    done = {_key(row) for row in rows}
+    for spec, rank in wanted:
+        if _key(rank_key(spec, rank)) in done:
+            continue
         threads = threads_of(spec, rank, cores)
         t0 = time.perf_counter()
         got = measured(spec, threads, rank)
@@ -211,9 +219,13 @@ def run_ranks(config: dict, out: Path) -> None:
             if key in got:
                 got[key] = json.dumps(got[key], sort_keys=True)
         rows.append({**rank_key(spec, rank), "threads": threads, **got})
-        write_rows(out / "ranks.csv", RANK_COLUMNS, rows)
+        write_rows(path, RANK_COLUMNS, rows)
         print(
             f"ranks {spec.model_name} {spec.strategy} x{spec.devices} rank {rank}: "
             f"{got['status']} {got.get('reason') or ''}[{time.perf_counter() - t0:.1f} s]",
             flush=True,
         )
+
+
+def _key(row: dict) -> tuple[str, ...]:
+    return tuple(str(row[k]) for k in RANK_KEY)
