@@ -66,7 +66,12 @@ include: "workflow/rules/advise.smk"
 
 # The run's hooks, in the main process only (not in a cluster job's parse of this file),
 # and none on a dry run (Snakemake calls no hook then, nor when there is nothing to do).
-# The lock first: a second writer is refused before the preflight's checks.
+# The lock first: a second writer is refused before the preflight's checks. Under
+# --no-hooks, which skips the three, the run itself takes both (common.smk's run_held).
+if workflow.is_main_process:
+    workflow.execute = run_held(workflow.execute)
+
+
 onstart:
     if workflow.is_main_process:
         take_results_lock()

@@ -183,15 +183,18 @@ def release_results_lock():
         lock.release(_HELD.pop())
 
 
-def preflight():
+def preflight(executor=None):
     """The doctor's checks for this run (parabench.doctor), a log line each, in a process
     of its own with the jobs' python (`python` on PATH, as the rules start it): their
     torch is what counts, and any CUDA context the checks open ends with it.
+    `executor`: the run's executor plugin (default the workflow's, once it runs).
     WorkflowError if one fails, before any job starts."""
+    executor = executor or workflow.executor_plugin
+    local = executor is None or executor.common_settings.local_exec
     slurm = None
-    if workflow.executor_plugin is not None and not workflow.local_exec:
+    if not local:
         slurm = doctor.resources(workflow.resource_settings.default_resources.args or [])
-    lines, ok = doctor.in_child(config, "python", slurm, gpus=workflow.local_exec)
+    lines, ok = doctor.in_child(config, "python", slurm, gpus=local)
     for line in lines:
         logger.info(f"parabench doctor: {line}")
     if not ok:
@@ -199,3 +202,24 @@ def preflight():
             "parabench doctor: this environment cannot run this config (the FAIL lines "
             "above); nothing was started"
         )
+
+
+def run_held(execute):
+    """Snakemake's run of the workflow (`workflow.execute`), holding the results lock
+    and after the preflight where --no-hooks leaves out onstart, onsuccess and onerror,
+    which do both otherwise: the run's settings are known here (Snakemake sets them
+    before it calls this), and so is its executor (a dry run's takes neither). In the
+    main process only: a cluster job's parse runs no workflow of its own."""
+
+    def run(*args, **kwargs):
+        executor = kwargs.get("executor_plugin", args[0] if args else None)
+        if not workflow.execution_settings.no_hooks or executor.common_settings.dryrun_exec:
+            return execute(*args, **kwargs)
+        take_results_lock()
+        try:
+            preflight(executor)
+            return execute(*args, **kwargs)
+        finally:
+            release_results_lock()
+
+    return run

@@ -5,7 +5,8 @@
 #   snakemake --profile profiles/slurm doctor
 # runs all of them in a short job asking for the GPUs of the largest cell. The checks
 # before the first job are common.smk's preflight(), which the Snakefile's onstart
-# calls: not on a dry run, so `snakemake -n` plans any config on any host.
+# calls (under --no-hooks, the run itself: run_held): not on a dry run, so
+# `snakemake -n` plans any config on any host.
 import json
 
 from parabench import doctor
