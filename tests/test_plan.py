@@ -242,3 +242,28 @@ def test_a_ranks_process_that_exits_fails_the_ranks_it_never_reached(tmp_path):
     assert (ranks["status"] == "failed").all()
     assert "exit code 13" in ranks.loc["ddp", "reason"]
     assert "before it was measured" in ranks.loc["grad_accum", "reason"]
+
+
+def test_a_rank_that_hangs_costs_its_own_time_limit_and_the_rest_are_measured(tmp_path):
+    """Each rank measured alone has its own time limit (rank_timeout_s, at most
+    cell_timeout_s), counted from the row before it: the first rank hangs, is killed
+    at its limit and recorded so, and a process started again measures the rank after
+    it within its own. (The whole child once had cell_timeout_s x the cells for all:
+    the hang took it, and every rank after it failed unmeasured.)"""
+    config = tiny_config(strategies=["ddp", "grad_accum"], devices=[2], cell_timeout_s=25)
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    env = {**os.environ, "PARABENCH_FAULT": "hang@tiny/ddp/n2/r0:rank=0:step=1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "parabench", "ranks", str(path), "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stderr
+    ranks = pd.read_csv(tmp_path / "ranks.csv").set_index("strategy")
+    assert ranks.loc["ddp", "status"] == "failed"
+    assert "ran past 25 s on one rank and was killed" in ranks.loc["ddp", "reason"]
+    assert "rank_timeout_s" in ranks.loc["ddp", "reason"]
+    assert ranks.loc["grad_accum", "status"] == "ok", ranks.loc["grad_accum", "reason"]

@@ -170,10 +170,19 @@ def test_second_run_does_nothing(run):
     assert "Nothing to be done" in proc.stdout + proc.stderr
 
 
-@pytest.mark.parametrize("change", [{"cell_timeout_s": 999}, {"exclusive_nodes": False}])
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"cell_timeout_s": 999},
+        {"rank_timeout_s": 99},
+        {"max_job_minutes": 600},
+        {"exclusive_nodes": False},
+    ],
+)
 def test_a_setting_that_changes_no_measurement_reruns_no_measuring_job(run, change):
     """Raising cell_timeout_s after a cell timed out: no finished measurement is redone
-    (the report, which shows the config, is rendered again)."""
+    (the report, which shows the config, is rendered again). Nor is one for the time
+    limits of the ranks measured alone, while they still fit in one job."""
     proc = snakemake(run, "-n", config={**CONFIG, **change})
     assert proc.returncode == 0, proc.stderr
     redone = [p for p in planned_outputs(proc) if any(m in p for m in MEASURING)]

@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from parabench import envinfo, faults, nocomm, profiling, runtime, strategies
-from parabench.config import alone_ranks, rank_key
+from parabench.config import rank_key, ranks_of
 from parabench.data import Shard, SyntheticBatches
 from parabench.loop import run_step, synchronizer
 from parabench.models import build
@@ -197,15 +197,16 @@ def threads_of(spec: RunSpec, rank: int, cores: int) -> int:
     return len(runtime.share(rank % local, local, list(range(cores))))
 
 
-def run_ranks(config: dict, out: Path) -> None:
-    """Measure every rank of config.alone_ranks(config), one after another, each with
-    the threads its rank of the cell gets; out/ranks.csv is rewritten after each, so a
-    crash loses none measured before it. Rows already in out/ranks.csv are kept, not
-    measured again: launch.launch_ranks, which runs this in a child, starts it again
-    after a rank that killed it, having recorded that rank as failed."""
+def run_ranks(config: dict, out: Path, part: tuple[int, int] | None = None) -> None:
+    """Measure every rank of config.alone_ranks(config) (with `part`, this job's share:
+    config.ranks_of), one after another, each with the threads its rank of the cell
+    gets; out/ranks.csv is rewritten after each, so a crash loses none measured before
+    it. Rows already in out/ranks.csv are kept, not measured again: launch.launch_ranks,
+    which runs this in a child, starts it again after a rank that killed it or ran past
+    its time, having recorded that rank as failed."""
     cores = envinfo.usable_cores()
     path = out / "ranks.csv"
-    wanted = alone_ranks(config)
+    wanted = ranks_of(config, part)
     keys = {_key(rank_key(spec, rank)) for spec, rank in wanted}
     rows = [row for row in read_rows(path) if _key(row) in keys]
     done = {_key(row) for row in rows}

@@ -186,6 +186,12 @@ def read_rows(path: Path) -> list[dict]:
         return []
 
 
+def concat_rows(paths: list[Path], out: Path, columns: tuple[str, ...]) -> None:
+    """One table of the rows of several written by write_rows (a job's parts), in
+    their order, atomically."""
+    write_rows(out, columns, [row for path in paths for row in read_rows(Path(path))])
+
+
 def write_rows(path: Path, columns: tuple[str, ...], rows: list[dict]) -> None:
     """A CSV of `rows` under `columns` (missing values empty, others dropped), atomically."""
     buf = io.StringIO()

@@ -19,7 +19,10 @@ from parabench.config import (
     collective_devices,
     load_schema,
     problems,
+    rank_parts,
+    ranks_of,
     skipped,
+    slurm_jobs,
 )
 from parabench import doctor, lock
 from parabench.config import advise_measures, measures, planned_specs
@@ -31,7 +34,7 @@ from parabench.launch import (
     plan_command,
     ranks_command,
 )
-from parabench.records import CELL_DIR
+from parabench.records import CELL_DIR, RANK_COLUMNS, concat_rows
 
 RESULTS = config["results"]
 # The repository (where report/ lives), whatever the working directory is.
@@ -47,6 +50,10 @@ if _problems:
     raise WorkflowError("invalid config:\n  - " + "\n  - ".join(_problems))
 
 CELLS = {cell.path: cell for cell in cells(config)}
+
+# The runtime (minutes) each rule's Slurm jobs ask for: what its guard allows, and a
+# margin (config.slurm_jobs, which the preflight checks against the partition).
+RUNTIME = {job.rule: job.minutes for job in slurm_jobs(config)}
 
 # Cells a strategy cannot run for this model, device count or device (a width tensor
 # parallelism cannot split, fewer blocks than stages, DataParallel on CPU): listed when
@@ -127,13 +134,19 @@ def collectives_launch(wc, output):
     )
 
 
+def rank_part(wc):
+    """A ranks job's part (i, k) of ranks.smk's RANK_PARTS, or None: the one job."""
+    return (int(wc.part), RANK_PARTS) if hasattr(wc, "part") else None
+
+
 # Of the ranks and plan jobs, Snakemake compares (its params trigger) what they measure
 # (params.measures), nothing else of the config: each reruns when that changes, never
-# for cell_timeout_s or exclusive_nodes. Their commands carry the whole config, timeouts
-# included; like each cell's, they are functions of the output, which it leaves out.
+# for cell_timeout_s, rank_timeout_s or exclusive_nodes. Their commands carry the whole
+# config, timeouts included; like each cell's, they are functions of the output, which
+# it leaves out.
 def ranks_launch(wc, output):
     """The ranks job's command; params.measures: each rank and its settings."""
-    return shlex.join(ranks_command(config, Path(output.ranks).parent))
+    return shlex.join(ranks_command(config, Path(output.ranks).parent, rank_part(wc)))
 
 
 def plan_measures(wc):

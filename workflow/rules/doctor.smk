@@ -21,7 +21,7 @@ rule doctor:
         "../envs/parabench.yaml"
     resources:
         gpu=0 if config["device"] == "cpu" else max(1, doctor.gpus_per_node(config)),
-        runtime=5,
+        runtime=RUNTIME["doctor"],
     params:
         config=json.dumps(config, sort_keys=True),
     shell:
