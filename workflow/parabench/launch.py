@@ -265,14 +265,14 @@ def guard_table(
     row for every one. Each row has `timeout_s` (rank_timeout_s): the child is killed
     when it goes that long without a new row, so a rank that hangs costs its own limit,
     never the time of the ranks after it, and a job of n rows ends within n times it
-    (and a second a row: how often it looks). Where the child crashed, was killed or ran past a row's time, the row it was
-    measuring (the first it had not written) is a failed row that says how, and so is
-    each row it never reached. A child that `resumes` (skips the rows already in the
-    table) and was killed by the kernel (the OOM killer's SIGKILL, a crash in native
-    code) or ran past a row's time is started again for the rest instead. Returns how
-    the child last ended (None: it finished); what goes on is left to the caller, whose
-    table is whole. `log`: where the child's output goes, for the reasons (default
-    logs/<what>.log)."""
+    (and a second a row: how often it looks). Where the child crashed, was killed or
+    ran past a row's time, the row it was measuring (the first it had not written) is
+    a failed row that says how, and so is each row it never reached. A child that
+    `resumes` (skips the rows already in the table) and was killed by the kernel (the
+    OOM killer's SIGKILL, a crash in native code) or ran past a row's time is started
+    again for the rest instead. Returns how the child last ended (None: it finished);
+    what goes on is left to the caller, whose table is whole. `log`: where the child's
+    output goes, for the reasons (default logs/<what>.log)."""
     from parabench.guard import describe_exit
     from parabench.records import read_rows, write_rows
 

@@ -186,10 +186,12 @@ def read_rows(path: Path) -> list[dict]:
         return []
 
 
-def concat_rows(paths: list[Path], out: Path, columns: tuple[str, ...]) -> None:
+def concat_rows(paths: list[Path], out: Path, columns: tuple[str, ...]) -> str:
     """One table of the rows of several written by write_rows (a job's parts), in
-    their order, atomically."""
-    write_rows(out, columns, [row for path in paths for row in read_rows(Path(path))])
+    their order, atomically; returns a line saying so, for the log."""
+    rows = [row for path in paths for row in read_rows(Path(path))]
+    write_rows(out, columns, rows)
+    return f"{out}: {len(rows)} rows of {', '.join(map(str, paths))}\n"
 
 
 def write_rows(path: Path, columns: tuple[str, ...], rows: list[dict]) -> None:

@@ -58,8 +58,10 @@ else:
             ],
         output:
             ranks=f"{RESULTS}/ranks.csv",
+        log:
+            f"{RESULTS}/logs/ranks.log",
         run:
-            concat_rows(input.parts, Path(output.ranks), RANK_COLUMNS)
+            Path(log[0]).write_text(concat_rows(input.parts, Path(output.ranks), RANK_COLUMNS))
 
     localrules:
         ranks,
