@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import re
 import subprocess
+import sys
 
 import pandas as pd
 import pytest
@@ -102,6 +103,7 @@ def test_every_job_of_the_gpu_sweep_fits_a_24_hour_partition(cluster, tmp_path):
     # the partition enforces its limit: a job of the ranks' old size is refused
     old = accepted("day", 3600 * 41 // 60 + 5)
     assert old.returncode != 0 and "time limit" in old.stderr.lower(), old.stderr
+    print(f"2465 min on day: {old.stderr.strip()}")
     dry = snakemake(tmp_path, "-n", *profile("day"), config=gpu_like())
     assert dry.returncode == 0, dry.stderr[-3000:]
     jobs = asked(dry)
@@ -122,6 +124,11 @@ def test_every_job_of_the_gpu_sweep_fits_a_24_hour_partition(cluster, tmp_path):
     assert len(ranks) == 53 and (ranks["status"] == "ok").all(), ranks[["strategy", "reason"]]
     logs = list((tmp_path / "logs/slurm/rule_ranks").rglob("*.log"))
     assert len(logs) == 1, "one Slurm job measured them"
+    job = subprocess.run(
+        ["scontrol", "-o", "show", "job", logs[0].stem], capture_output=True, text=True
+    ).stdout
+    print(job[job.index("TimeLimit") :].split()[0], job[job.index("JobState") :].split()[0])
+    assert "TimeLimit=08:55:00" in job and "JobState=COMPLETED" in job, job
 
 
 def test_a_run_with_a_job_past_the_partition_s_limit_is_refused_before_any_job(cluster, tmp_path):
@@ -148,3 +155,16 @@ def test_a_run_with_a_job_past_the_partition_s_limit_is_refused_before_any_job(c
             assert m <= limit, (rule, m)
             got = accepted("test", m)
             assert got.returncode == 0, (rule, m, got.stderr)
+
+
+def test_without_a_partition_the_preflight_checks_slurm_s_default_one(cluster, tmp_path):
+    """A profile that names no slurm_partition submits to Slurm's default partition
+    (`test` here, an hour): its MaxTime is the one checked."""
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(gpu_like()))
+    (tmp_path / "prof").mkdir()
+    (tmp_path / "prof/config.yaml").write_text("executor: slurm\n")
+    cmd = [sys.executable, "-m", "parabench", "doctor", "config.yaml", "--profile", "prof"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    line = next(x for x in proc.stdout.splitlines() if "slurm time:" in x)
+    assert line.split()[0] == "FAIL" and "partition 'test' allows 60 min" in line, line
+    assert "benchmark 65 min: lower cell_timeout_s" in line

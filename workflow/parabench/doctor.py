@@ -207,27 +207,35 @@ def time_limit_minutes(text: str) -> int | None:
 
 def check_time_limit(config: dict, res: dict[str, str]) -> Check | None:
     """Every Slurm job this run submits (config.slurm_jobs: their runtimes) against the
-    partition's MaxTime, where `sinfo` answers: a job asking for more is refused by
-    sbatch (EnforcePartLimits) or never starts, and the run waits on it for ever."""
-    part = res.get("slurm_partition")
-    if not part or not shutil.which("sinfo"):
+    MaxTime of its partition (slurm_partition, else Slurm's default one), where `sinfo`
+    answers: a job asking for more is refused by sbatch (EnforcePartLimits) or never
+    starts, and the run waits on it for ever."""
+    if not shutil.which("sinfo"):
         return None
     try:
         got = subprocess.run(
-            ["sinfo", "-h", "-p", part, "-o", "%l"], capture_output=True, text=True, timeout=20
+            ["sinfo", "-h", "-o", "%P %l"], capture_output=True, text=True, timeout=20
         )
-        limits = [time_limit_minutes(x) for x in got.stdout.split()]
     except subprocess.TimeoutExpired:
-        return Check("slurm time", WARN, f"sinfo did not answer in 20 s: {part!r} unchecked")
-    except ValueError:  # a format this does not know: Slurm decides
-        return Check("slurm time", WARN, f"sinfo's time limit of {part!r}: {got.stdout.strip()!r}")
-    if got.returncode != 0 or not limits:
+        return Check("slurm time", WARN, "sinfo did not answer in 20 s: time limits unchecked")
+    named = res.get("slurm_partition")
+    found = [
+        (name.rstrip("*"), text)
+        for name, text in (line.split() for line in got.stdout.splitlines() if line.count(" ") == 1)
+        if (name.rstrip("*") == named if named else name.endswith("*"))
+    ]
+    if got.returncode != 0 or not found:
         return None  # check_slurm says the partition is unknown
+    part, text = found[0]
+    try:
+        limits = [time_limit_minutes(t) for _, t in found]
+    except ValueError:  # a format this does not know: Slurm decides
+        return Check("slurm time", WARN, f"sinfo's time limit of {part!r}: {text!r}")
     if None in limits:
         return Check("slurm time", OK, f"partition {part!r} has no time limit")
     limit = min(limits)
     jobs = [j for j in slurm_jobs(config) if j.runs]
-    detail = f"partition {part!r} allows {limit} min (sinfo MaxTime {got.stdout.split()[0]})"
+    detail = f"partition {part!r} allows {limit} min (sinfo MaxTime {text})"
     over = [j for j in jobs if j.minutes > limit]
     if over:
         said = "; ".join(f"{j.rule} {j.minutes} min: {j.fix.format(limit=limit)}" for j in over)
