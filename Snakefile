@@ -4,7 +4,9 @@
 import os
 
 from snakemake.exceptions import WorkflowError
-from snakemake.utils import min_version, validate
+from snakemake.utils import min_version, update_config, validate
+
+from parabench.config import from_command_line, load_schema
 
 # 8.25: params computed from a job's input or output (every command here: a cell's,
 # the ranks', the plan's) are left out of its rerun triggers (snakemake PR #3154), so
@@ -23,6 +25,11 @@ os.environ.setdefault("PYTHONSAFEPATH", "1")
 if not workflow.overwrite_configfiles:
 
     configfile: "config/config.yaml"
+
+
+# --config devices=[1,2]: Snakemake reads a value's top level itself, what a list or
+# mapping holds as strings ("2"); read as the same text in a config file means it.
+update_config(config, from_command_line(dict(workflow.config_settings.config), load_schema()))
 
 
 # Snakemake's validation (it fills the schema's defaults), its error said in one line
@@ -59,7 +66,12 @@ include: "workflow/rules/advise.smk"
 
 # The run's hooks, in the main process only (not in a cluster job's parse of this file),
 # and none on a dry run (Snakemake calls no hook then, nor when there is nothing to do).
-# The lock first: a second writer is refused before the preflight's checks.
+# The lock first: a second writer is refused before the preflight's checks. Under
+# --no-hooks, which skips the three, the run itself takes both (common.smk's run_held).
+if workflow.is_main_process:
+    workflow.execute = run_held(workflow.execute)
+
+
 onstart:
     if workflow.is_main_process:
         take_results_lock()

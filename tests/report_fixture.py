@@ -152,10 +152,11 @@ def build_report(root: Path, config: dict | None = None, advice: bool = False) -
     aggregate(metas, root / "steps.csv", root / "summary.csv", root / "cells.csv")
     if advice:
         advise_results(root)
+    ran = {"enabled": advice, "torchtitan": advice}
     render(
         root,
         REPO / "report",
-        config or {"models": {"m": {"arch": "mlp"}}, "note": XSS},
+        config or {"models": {"m": {"arch": "mlp"}}, "note": XSS, "advise": ran},
         root / "report.html",
     )
     return (root / "report.html").read_text()

@@ -11,6 +11,10 @@ Facts this is built on (found by trying, as root, without systemd):
   one is moved aside and put back.
 - Without slurmdbd `sacct` fails: the plugin must use `squeue`, which needs MinJobAge
   well above its status-check delay so finished jobs are still listed.
+- Two partitions on the one node: `test` (MaxTime one hour, the default) and `day`
+  (MaxTime 24 hours, a common GPU partition's), each enforced at submission
+  (EnforcePartLimits=ALL: sbatch refuses a longer job, where by default it would queue
+  it for ever).
 Only the daemons started here are stopped.
 """
 
@@ -60,8 +64,10 @@ DefMemPerCPU=256
 JobAcctGatherType=jobacct_gather/none
 AccountingStorageType=accounting_storage/none
 MpiDefault=none
+EnforcePartLimits=ALL
 NodeName={host} NodeAddr=127.0.0.1 CPUs={CPUS} RealMemory=4096 Gres=gpu:{GPUS} State=UNKNOWN
 PartitionName=test Nodes={host} Default=YES MaxTime=60 State=UP
+PartitionName=day Nodes={host} MaxTime=24:00:00 State=UP
 """
 
 
@@ -151,6 +157,7 @@ def local_slurm(tmp: Path) -> Iterator[dict]:
         yield {
             "host": host,
             "partition": "test",
+            "partitions": {"test": 60, "day": 24 * 60},  # MaxTime, minutes
             "gpus": GPUS,
             "devices": devices,
             "logs": [tmp / "slurmctld.log", tmp / "slurmd.log"],

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from conftest import REPO, tiny_config
+from conftest import REPO, planned_outputs, snakemake, tiny_config
 from parabench import config as cfg
 
 
@@ -38,3 +38,19 @@ def test_a_cell_directory_outside_results_is_a_problem():
     found = cfg.problems(config)
     assert any(p.startswith("models.../../x: ") and "results/" in p for p in found), found
     assert cfg.problems(cfg.checked(tiny_config())) == []
+
+
+def test_the_command_line_means_what_a_config_file_means(tmp_path):
+    """`--config 'devices=[1,2]'` was refused (devices.1: '2' is not of type 'integer'):
+    Snakemake reads what a list or mapping holds as strings. A real dry run plans the
+    cells the same text in a config file plans; a value the schema wants a string
+    (a strategy's name) stays one, and a wrong one is still refused naming its key."""
+    args = ["-n", "--cores", "1", "--config", "devices=[1,2]", 'plan={"enabled": false}']
+    proc = snakemake(tmp_path, *args, config=tiny_config(devices=[4]))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    runs = {p.split("/runs/")[1].split("/r0/")[0] for p in planned_outputs(proc) if "/runs/" in p}
+    assert runs == {"tiny/fp32-sgd/single/n1", "tiny/fp32-sgd/ddp/n1", "tiny/fp32-sgd/ddp/n2"}
+    assert not any("plan.csv" in p for p in planned_outputs(proc))
+    proc = snakemake(tmp_path, "-n", "--config", "devices=[1,two]", config=tiny_config())
+    said = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "devices.1: 'two' is not of type 'integer'" in said, said

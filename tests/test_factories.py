@@ -4,8 +4,10 @@ inside a Python installation or environment (the standard library, installed pac
 a virtual environment: any Python's on the host, not only the running one's). Anything
 else is refused when the workflow plans, naming models.<name>.factory (or .path),
 before any of its code runs (not called, not imported). The user's file is loaded by
-its path under a name of its own: sys.path is left alone, so no file of the working
-directory shadows a module, and the file may be named like one (test.py, types.py)."""
+its path under a name of its own, so no file of the working directory shadows a module,
+and the file may be named like one (test.py, types.py); its own directory comes last on
+sys.path while it loads and runs, so it imports the files beside it and they shadow
+nothing either."""
 
 from __future__ import annotations
 
@@ -268,6 +270,73 @@ def test_loading_a_factory_leaves_sys_path_alone_and_shadows_nothing(tmp_path):
         "colorsys": got["colorsys"],
         "as_my_model": False,
     } and not got["colorsys"].startswith(str(tmp_path)), got
+
+
+SIBLINGS = """
+import json, sys
+before = list(sys.path)
+from parabench.config import problems
+from parabench.models import build
+from parabench.spec import ModelSpec
+entry = {"arch": "custom", "factory": "mine:build", "path": "models", "batch_size": 8}
+cfg = {"models": {"mine": entry}, "strategies": ["single"], "devices": [1], "repeats": 1}
+assert problems(cfg) == [], problems(cfg)
+model = build(ModelSpec.of("custom", factory="mine:build", path="models"), 0)
+import colorsys  # the standard library's, though the factory's directory has one
+print(json.dumps({
+    "blocks": len(model.module),
+    "sys_path_kept": sys.path == before,
+    "colorsys": colorsys.__file__,
+}))
+"""
+
+
+def test_a_factory_imports_the_files_beside_it_and_they_shadow_nothing(tmp_path):
+    """`from helpers import WIDTHS` in the factory's file (at its top), and a lazy
+    `from layers import block` in the factory: each a file beside it, as a script
+    imports its neighbours. A file there named like a module of Python's (colorsys,
+    which torch's fake tensors import while planning calls the factory) stays a file,
+    and sys.path is as it was once planning and the build are done."""
+    models = tmp_path / "models"
+    models.mkdir()
+    (models / "helpers.py").write_text("WIDTHS = [4, 3, 2]\n")
+    (models / "layers.py").write_text(
+        "from torch import nn\n\ndef block(a, b):\n    return nn.Sequential(nn.Linear(a, b))\n"
+    )
+    (models / "mine.py").write_text(
+        textwrap.dedent(
+            """
+            import torch
+            from torch import nn
+            from helpers import WIDTHS
+
+            def build():
+                from layers import block
+
+                def batch(n, g):
+                    return torch.randn(n, WIDTHS[0], generator=g), torch.randn(n, 2, generator=g)
+
+                blocks = [block(a, b) for a, b in zip(WIDTHS, WIDTHS[1:])]
+                return dict(blocks=nn.Sequential(*blocks), loss=nn.MSELoss(), batch=batch)
+            """
+        )
+    )
+    marker = tmp_path / "shadowed"
+    (models / "colorsys.py").write_text(f"open({str(marker)!r}, 'w').close()\n")
+    env = {**os.environ, "PYTHONPATH": str(REPO / "workflow")}
+    proc = subprocess.run(  # -P: Python itself puts no working directory on sys.path
+        [sys.executable, "-P", "-c", textwrap.dedent(SIBLINGS)],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    got = __import__("json").loads(proc.stdout.strip().splitlines()[-1])
+    assert not marker.exists(), got
+    assert got["blocks"] == 2 and got["sys_path_kept"], got
+    assert not got["colorsys"].startswith(str(tmp_path)), got
 
 
 def test_a_factory_that_hands_back_planning_s_fake_model_is_stopped_naming_why(

@@ -120,3 +120,34 @@ def test_a_dry_run_beside_a_holder_is_not_refused(tmp_path):
     assert dry.returncode == 0, dry.stderr[-3000:]
     assert "cells, each its own launch" in dry.stdout
     assert not (tmp_path / "results/runs").exists()
+
+
+def test_no_hooks_still_takes_the_lock_and_runs_the_preflight(tmp_path):
+    """--no-hooks skips onstart, onsuccess and onerror, where the lock and the preflight
+    live: the run takes both all the same, refused beside a holder and by a failing
+    check before any job, gives the lock back when it ends, and its dry run takes
+    neither."""
+    from parabench import doctor
+
+    config = tiny_config(strategies=["single"], devices=[1])
+    with lock.held(tmp_path / "results", "a sweep writing"):
+        run = snakemake(tmp_path, "--cores", "1", "--no-hooks", config=config)
+        dry = snakemake(tmp_path, "-n", "--no-hooks", config=config)
+    said = run.stdout + run.stderr
+    assert run.returncode != 0, "Snakemake ran beside the holder"
+    assert "a sweep writing" in said and f"pid {os.getpid()}" in said, said[-3000:]
+    assert not (tmp_path / "results/runs").exists(), "a job ran beside the holder"
+    assert dry.returncode == 0, dry.stderr[-3000:]
+    if doctor.torch_build()[1] is None:  # a CPU torch: the preflight refuses device cuda
+        cuda = snakemake(
+            tmp_path, "--cores", "1", "--no-hooks", config={**config, "device": "cuda"}
+        )
+        said = cuda.stdout + cuda.stderr
+        assert cuda.returncode != 0 and "parabench doctor:  FAIL  torch" in said, said[-3000:]
+        assert "nothing was started" in said and not (tmp_path / "results/runs").exists()
+        assert not (tmp_path / HOLDER).exists(), "the refused run kept the lock"
+    run = snakemake(tmp_path, "--cores", "1", "--no-hooks", config=config)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "parabench doctor:" in run.stdout + run.stderr  # its checks ran
+    assert (tmp_path / "results/report.html").exists()
+    assert not (tmp_path / HOLDER).exists(), "the run kept the lock"

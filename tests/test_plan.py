@@ -197,10 +197,11 @@ def test_a_bad_fabric_is_one_clear_error(tmp_path):
     assert "not an nccl-tests result row" in proc.stderr and "Traceback" not in proc.stderr
 
 
-def test_a_crashed_ranks_process_still_leaves_a_row_per_rank(tmp_path):
-    """The ranks run in a child: it dies of SIGABRT in its first rank (ddp's), and
-    ranks.csv still says, for that rank and the one it never reached, why neither was
-    measured; the command succeeds, so the sweep goes on to its summary and report."""
+def test_a_rank_that_kills_the_ranks_process_is_a_failed_row_and_the_rest_are_measured(tmp_path):
+    """The ranks run in a child: it dies of SIGABRT in its first rank (ddp's), as a rank
+    the OOM killer ends would; ranks.csv says so for that rank, and a child started
+    again measures the rank after it (grad_accum's), which was left unmeasured before.
+    The command succeeds, so the sweep goes on to its summary and report."""
     config = tiny_config(strategies=["ddp", "grad_accum"], devices=[2])
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump(config))
@@ -215,8 +216,31 @@ def test_a_crashed_ranks_process_still_leaves_a_row_per_rank(tmp_path):
     assert proc.returncode == 0, proc.stderr
     ranks = pd.read_csv(tmp_path / "ranks.csv").set_index("strategy")
     assert list(ranks.index) == ["ddp", "grad_accum"]
+    assert ranks.loc["ddp", "status"] == "failed"
+    assert "ended (killed by signal SIGABRT) while measuring it" in ranks.loc["ddp", "reason"]
+    assert ranks.loc["grad_accum", "status"] == "ok", ranks.loc["grad_accum", "reason"]
+    assert ranks.loc["grad_accum", "compute_s"] > 0
+    assert "again, for the 1 rows left" in proc.stdout
+
+
+def test_a_ranks_process_that_exits_fails_the_ranks_it_never_reached(tmp_path):
+    """An exit code (not a signal) is the process's own end, not one rank's: the rest
+    are failed rows saying they were never measured, not measured again."""
+    config = tiny_config(strategies=["ddp", "grad_accum"], devices=[2])
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    env = {**os.environ, "PARABENCH_FAULT": "crash@tiny/ddp/n2/r0:rank=0:step=1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "parabench", "ranks", str(path), "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stderr
+    ranks = pd.read_csv(tmp_path / "ranks.csv").set_index("strategy")
     assert (ranks["status"] == "failed").all()
-    assert ranks["reason"].str.contains("killed by signal SIGABRT").all()
+    assert "exit code 13" in ranks.loc["ddp", "reason"]
     assert "before it was measured" in ranks.loc["grad_accum", "reason"]
 
 
@@ -242,3 +266,28 @@ def test_plan_keeps_advises_headroom_free_of_the_device():
         plan.predict({**row, "peak_memory_bytes": 1, "device_memory_bytes": None}, spec, f)["fits"]
         is None
     )
+
+
+def test_a_rank_that_hangs_costs_its_own_time_limit_and_the_rest_are_measured(tmp_path):
+    """Each rank measured alone has its own time limit (rank_timeout_s, at most
+    cell_timeout_s), counted from the row before it: the first rank hangs, is killed
+    at its limit and recorded so, and a process started again measures the rank after
+    it within its own. (The whole child once had cell_timeout_s x the cells for all:
+    the hang took it, and every rank after it failed unmeasured.)"""
+    config = tiny_config(strategies=["ddp", "grad_accum"], devices=[2], cell_timeout_s=25)
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    env = {**os.environ, "PARABENCH_FAULT": "hang@tiny/ddp/n2/r0:rank=0:step=1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "parabench", "ranks", str(path), "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stderr
+    ranks = pd.read_csv(tmp_path / "ranks.csv").set_index("strategy")
+    assert ranks.loc["ddp", "status"] == "failed"
+    assert "ran past 25 s on one rank and was killed" in ranks.loc["ddp", "reason"]
+    assert "rank_timeout_s" in ranks.loc["ddp", "reason"]
+    assert ranks.loc["grad_accum", "status"] == "ok", ranks.loc["grad_accum", "reason"]

@@ -112,7 +112,7 @@ def test_panels_wrap_and_a_figure_past_the_renderers_limit_still_draws(report):
         return Image.open(io.BytesIO(base64.b64decode(uri.split(",", 1)[1]))).size
 
     root, _, _ = report
-    one = Results.load(root)
+    one = Results.load(root, {})
 
     def many(t: pd.DataFrame, copies: int = 7) -> pd.DataFrame:
         out = pd.concat([t.assign(model=f"m{i}") for i in range(copies)], ignore_index=True)
@@ -133,3 +133,53 @@ def test_panels_wrap_and_a_figure_past_the_renderers_limit_still_draws(report):
     huge = plt.figure(figsize=(5.2 * 130, 3.8))  # the old row of 130 panels
     width, height = size(figures._png(huge))
     assert 0 < width < 2**16 and height > 0
+
+
+@pytest.mark.parametrize("enabled", [False, True], ids=["disabled", "enabled"])
+def test_a_table_an_earlier_run_left_shows_only_while_its_job_is_enabled(tmp_path, enabled):
+    """plan.csv and advise.csv stay in results/ after plan.enabled and advise.enabled
+    are turned off, and the report rule no longer asks for them: the report then shows
+    neither, and writes no plot of the old plan; enabled, the same files are shown."""
+    from parabench.aggregate import aggregate
+    from parabench.records import PLAN_COLUMNS, write_rows
+    from parabench.report import render
+    from report_fixture import advise_results, make_results
+
+    metas = make_results(tmp_path)
+    aggregate(metas, tmp_path / "steps.csv", tmp_path / "summary.csv", tmp_path / "cells.csv")
+    advise_results(tmp_path)
+    key = {"model": "m", "precision": "fp32", "optimizer": "sgd", "compile": False, "ac": "none"}
+    planned = {
+        **key,
+        "strategy": "ddp",
+        "status": "ok",
+        "scaling": "weak",
+        "params_bytes_per_rank": 4000,
+        "peak_memory_bytes": 2**20,
+        "fits": True,
+        "compute_s": 0.01,
+        "comm_bytes_per_step": 4000,
+        "comm_s": 0.002,
+        "predicted_step_s": 0.012,
+        "samples_per_s_per_device": 5000.0,
+        "scaling_efficiency": 0.83,
+        "fabric": "h100-nvlink-ndr400",
+        "fabric_source": "an earlier run's",
+    }
+    rows = [{**planned, "world_size": n} for n in (8, 64)]
+    write_rows(tmp_path / "plan.csv", PLAN_COLUMNS, rows)
+    config = {
+        "models": {"m": {"arch": "mlp"}},
+        "plan": {"enabled": enabled},
+        "advise": {"enabled": enabled, "torchtitan": True},
+    }
+    plots = tmp_path / "plots"
+    render(tmp_path, REPO / "report", config, tmp_path / "report.html", plots)
+    html = (tmp_path / "report.html").read_text()
+    shown = {
+        "plan": "an earlier run&#39;s" in html,
+        "plan plot": (plots / "plan.png").exists(),
+        "advice": 'id="advise-torchtitan"' in html and "No advice in this run" not in html,
+    }
+    assert shown == dict.fromkeys(shown, enabled), shown
+    assert ("No plan in this run" in html) != enabled

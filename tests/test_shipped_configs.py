@@ -165,6 +165,22 @@ def test_doctor_under_a_slurm_profile_leaves_gpus_to_the_node(tmp_path):
     assert lines["gpus"] == "later" and lines["slurm"] == "warn"
 
 
+def test_the_preflight_reads_a_partition_s_time_limit_as_sinfo_prints_it():
+    """sinfo's %l: [days-]hours:minutes:seconds, minutes:seconds, or none."""
+    got = {
+        t: doctor.time_limit_minutes(t)
+        for t in ("1:00:00", "24:00:00", "1-00:00:00", "2-12:30:00", "45:00", "infinite")
+    }
+    assert got == {
+        "1:00:00": 60,
+        "24:00:00": 1440,
+        "1-00:00:00": 1440,
+        "2-12:30:00": 3630,
+        "45:00": 45,
+        "infinite": None,
+    }
+
+
 def test_a_local_run_refuses_before_any_job_where_the_doctor_fails(tmp_path):
     """onstart: after planning, before the first job; never on a dry run."""
     if doctor.torch_build()[1] is not None:

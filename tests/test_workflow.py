@@ -170,10 +170,19 @@ def test_second_run_does_nothing(run):
     assert "Nothing to be done" in proc.stdout + proc.stderr
 
 
-@pytest.mark.parametrize("change", [{"cell_timeout_s": 999}, {"exclusive_nodes": False}])
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"cell_timeout_s": 999},
+        {"rank_timeout_s": 99},
+        {"max_job_minutes": 600},
+        {"exclusive_nodes": False},
+    ],
+)
 def test_a_setting_that_changes_no_measurement_reruns_no_measuring_job(run, change):
     """Raising cell_timeout_s after a cell timed out: no finished measurement is redone
-    (the report, which shows the config, is rendered again)."""
+    (the report, which shows the config, is rendered again). Nor is one for the time
+    limits of the ranks measured alone, while they still fit in one job."""
     proc = snakemake(run, "-n", config={**CONFIG, **change})
     assert proc.returncode == 0, proc.stderr
     redone = [p for p in planned_outputs(proc) if any(m in p for m in MEASURING)]
@@ -227,3 +236,30 @@ def test_cores_2_times_one_cell_at_a_time(run):
     assert (starts[1:] >= ends[:-1]).all(), "two cells were timed at the same time"
     summary = pd.read_csv(run / "results/summary.csv")
     assert not summary["overlapped"].any()
+
+
+def test_ranks_past_max_job_minutes_are_measured_in_parts_merged_in_order(tmp_path):
+    """Four ranks of two minutes each do not fit in a ten-minute job (5 minutes of it a
+    margin): two jobs of two ranks, each its own process, and ranks.csv has every row
+    in the order one job writes them."""
+    config = {
+        **CONFIG,
+        "strategies": ["ddp", "grad_accum", "pipeline"],
+        "devices": [2],
+        "plan": {"enabled": False},
+        "rank_timeout_s": 120,
+        "max_job_minutes": 10,
+    }
+    proc = snakemake(tmp_path, "--cores", "1", "results/ranks.csv", config=config)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    parts = sorted((tmp_path / "results/ranks").glob("part*of2/ranks.csv"))
+    assert len(parts) == 2, parts
+    ranks = pd.read_csv(tmp_path / "results/ranks.csv")
+    assert list(zip(ranks["strategy"], ranks["rank"], strict=True)) == [
+        ("ddp", 0),
+        ("grad_accum", 0),
+        ("pipeline", 0),
+        ("pipeline", 1),
+    ]
+    assert (ranks["status"] == "ok").all(), ranks["reason"]
+    assert [len(pd.read_csv(p)) for p in parts] == [2, 2]

@@ -100,6 +100,9 @@ def _parser() -> argparse.ArgumentParser:
     rks.add_argument("config", type=Path, nargs="?", help="a workflow config file")
     rks.add_argument("--config-json", default="", help="the workflow config, as JSON")
     rks.add_argument("--out", type=Path, required=True, help="directory for ranks.csv")
+    rks.add_argument(
+        "--part", type=_part, help="I/K: the I-th of K jobs measuring them (default all)"
+    )
     rks.add_argument("--measure", action="store_true", help=argparse.SUPPRESS)  # the child
 
     pln = sub.add_parser("plan", help="one real rank at world sizes beyond this machine: plan.csv")
@@ -468,12 +471,24 @@ def _ranks(args: argparse.Namespace) -> int:
     if not args.measure:  # the guard: always a row per rank, whatever the child does
         from parabench.launch import launch_ranks
 
-        return launch_ranks(config, args.out)
+        return launch_ranks(config, args.out, args.part)
     faulthandler.enable()  # a rank killed in native code: where Python was, in the log
     from parabench.ranks import run_ranks
 
-    run_ranks(config, args.out)
+    run_ranks(config, args.out, args.part)
     return 0
+
+
+def _part(text: str) -> tuple[int, int]:
+    """`I/K` (1 <= I <= K) as (I, K)."""
+    i, _, k = text.partition("/")
+    try:
+        part = int(i), int(k)
+    except ValueError:
+        part = (0, 0)
+    if not 1 <= part[0] <= part[1]:
+        raise argparse.ArgumentTypeError(f"{text!r} is not I/K with 1 <= I <= K")
+    return part
 
 
 def _plan(args: argparse.Namespace) -> int:

@@ -87,6 +87,46 @@ def as_integers(data, schema: dict):
     return data
 
 
+def from_command_line(data, schema: dict):
+    """`data`, given on Snakemake's command line (--config), as YAML reads it. Snakemake
+    reads a value's top level itself (repeats=5 is an int) but what a list or mapping
+    holds as strings (YAML's BaseLoader: devices=[1,2] arrives as ["1", "2"],
+    plan={enabled: false} as "false"): each such string is read again by YAML's safe
+    loader wherever the schema wants no string, so the command line means what the same
+    text means in a config file."""
+    if isinstance(data, str):
+        if _allows_string(schema):
+            return data
+        try:
+            read = yaml.safe_load(data)
+        except yaml.YAMLError:
+            return data  # the schema names the key
+        return data if isinstance(read, str) else from_command_line(read, schema)
+    if isinstance(data, dict):
+        branch = _branch(schema, "object")
+        props, extra = branch.get("properties", {}), branch.get("additionalProperties")
+        default = extra if isinstance(extra, dict) else {}
+        return {k: from_command_line(v, props.get(k, default)) for k, v in data.items()}
+    if isinstance(data, list):
+        items = _branch(schema, "array").get("items")
+        return [from_command_line(v, items if isinstance(items, dict) else {}) for v in data]
+    return data
+
+
+def _allows_string(schema: dict) -> bool:
+    """Whether the schema takes a string here (its type, an enum of names, a branch)."""
+    if any(_allows_string(s) for s in schema.get("anyOf", [])):
+        return True
+    kinds = schema.get("type")
+    kinds = kinds if isinstance(kinds, list) else [kinds]
+    return "string" in kinds or any(isinstance(v, str) for v in schema.get("enum", []))
+
+
+def _branch(schema: dict, kind: str) -> dict:
+    """The schema of a value of this JSON type: its anyOf branch of that type, if any."""
+    return next((s for s in schema.get("anyOf", []) if s.get("type") == kind), schema)
+
+
 def checked(data: dict) -> dict:
     """`data` checked against the schema, with the schema's defaults filled in;
     ConfigError names the key."""
@@ -231,6 +271,93 @@ def alone_ranks(config: dict) -> list[tuple[RunSpec, int]]:
     return out
 
 
+def ranks_of(config: dict, part: tuple[int, int] | None = None) -> list[tuple[RunSpec, int]]:
+    """What one job measuring ranks alone measures: every rank of alone_ranks, or, with
+    `part` (i, k), the i-th (from 1) of k nearly equal runs of them, in order."""
+    ranks = alone_ranks(config)
+    if part is None:
+        return ranks
+    i, k = part
+    return ranks[(i - 1) * len(ranks) // k : i * len(ranks) // k]
+
+
+# Slurm jobs: each asks for the time limit its guard enforces and this many minutes
+# more (its Python's start, the guard's last records, Slurm's prologue and epilogue).
+JOB_MARGIN_MIN = 5
+ADVISE_MIN = 30  # advise: fake tensors, seconds per layout; its one job's limit
+DOCTOR_MIN = 5  # the doctor's checks on a GPU node: seconds
+
+
+def job_minutes(seconds: float) -> int:
+    """The runtime (minutes) a Slurm job whose guard allows it `seconds` asks for."""
+    return int(seconds // 60) + JOB_MARGIN_MIN
+
+
+def rank_limit_s(config: dict) -> float:
+    """Seconds one rank measured alone may take (the ranks job's, the plan's), each
+    rank its own: rank_timeout_s, never more than cell_timeout_s. A rank alone builds
+    what one rank of its cell builds and runs ten steps (ranks.STEPS + WARMUP, one
+    counted, one tracked), where its cell runs `steps` and its profiled steps, times
+    them again without communication, and waits on its peers: it never needs more."""
+    return min(config["rank_timeout_s"], config["cell_timeout_s"])
+
+
+def rank_parts(config: dict) -> int:
+    """How many jobs measure the ranks alone: one (a single process, as a local run's
+    always is) while its ranks' limits fit in max_job_minutes, else as few as each
+    fit (at least one rank each)."""
+    fit = (config["max_job_minutes"] - JOB_MARGIN_MIN) * 60 // rank_limit_s(config)
+    return max(1, -(-len(alone_ranks(config)) // max(1, int(fit))))
+
+
+@dataclass(frozen=True)
+class SlurmJob:
+    """A rule whose jobs the workflow submits to Slurm: the runtime (minutes) its
+    longest job asks for, what to change where a partition allows `{limit}` minutes
+    and no more (naming the config key), and whether a run of this config submits any
+    (the rule exists either way)."""
+
+    rule: str
+    minutes: int
+    fix: str
+    runs: bool = True
+
+
+def slurm_jobs(config: dict) -> list[SlurmJob]:
+    """Every rule the workflow may submit to Slurm for `config` (not aggregate nor
+    report, which run where Snakemake does), each with its `runtime`: the rules read
+    theirs here, and the preflight checks those a run submits against the partition's
+    MaxTime."""
+    cell = job_minutes(config["cell_timeout_s"])
+    ranks, limit = alone_ranks(config), rank_limit_s(config)
+    largest = -(-len(ranks) // rank_parts(config))  # the parts of rank_parts
+    split = (
+        "set max_job_minutes: {limit} (the ranks are then split into jobs that each "
+        f"fit; a job of one rank asks {job_minutes(limit)} min: past that, lower "
+        "rank_timeout_s)"
+    )
+    return [
+        SlurmJob("benchmark", cell, "lower cell_timeout_s"),
+        SlurmJob("collectives", cell, "lower cell_timeout_s", bool(collective_devices(config))),
+        SlurmJob(
+            "ranks",
+            job_minutes(largest * limit),
+            split,
+            bool(ranks),
+        ),
+        SlurmJob(
+            "plan",
+            job_minutes(len(planned_specs(config)) * limit),
+            "lower rank_timeout_s, or plan fewer plan.models, plan.strategies or "
+            "plan.world_sizes (rank_timeout_s each)",
+            config["plan"]["enabled"],
+        ),
+        SlurmJob("advise", ADVISE_MIN, "set advise.enabled: false", config["advise"]["enabled"]),
+        # asked for by name (`snakemake ... doctor`), never by a run
+        SlurmJob("doctor", DOCTOR_MIN, "run `parabench doctor` on a GPU node", False),
+    ]
+
+
 def rank_key(spec: RunSpec, rank: int) -> dict:
     """A ranks.csv row's key: the cell's variant, strategy, devices and the rank."""
     variant = {"model": spec.model_name, "precision": spec.precision}
@@ -317,7 +444,7 @@ def problems(config: dict, workdir: Path | None = None) -> list[str]:
         # each reason names its key; together they rule out every cell
         reasons = sorted({checks.static_skip_reason(s) for s in all_cells})
         out += [f"{why} (and nothing else this config asks for can run)" for why in reasons]
-    for key in ("cell_timeout_s",):
+    for key in ("cell_timeout_s", "rank_timeout_s"):
         if key in config and not math.isfinite(config[key]):
             out.append(f"{key}: must be a finite number, got {config[key]}")
     if workdir is not None and "results" in config:

@@ -7,7 +7,8 @@ The checks, and where each can be answered:
   the torch build against `device` (a CPU wheel cannot run a cuda cell), a C compiler
   when `compile` is on (Triton's launcher on CUDA, Inductor's C++ on CPU), the Slurm
   account and partition a profile sets (and that the partition exists and has GPUs,
-  where `sinfo` answers), free disk under `results`;
+  and that its MaxTime allows every job of the run, where `sinfo` answers), free disk
+  under `results`;
 - GPU node (where the cells run): the GPUs visible against the most any cell needs on
   one node, NCCL where ranks communicate, bf16 where the config asks for it.
 
@@ -34,7 +35,7 @@ from pathlib import Path
 import yaml
 
 from parabench import checks, models
-from parabench.config import cells
+from parabench.config import cells, slurm_jobs
 from parabench.envinfo import nvidia_smi_gpus, runs_on_cuda, torch_build
 
 OK, WARN, FAIL, LATER = "ok", "warn", "FAIL", "later"
@@ -174,6 +175,57 @@ def check_slurm(config: dict, res: dict[str, str]) -> Check:
     return Check("slurm", OK, f"account {res['slurm_account']}, partition {part}")
 
 
+def time_limit_minutes(text: str) -> int | None:
+    """A Slurm time limit as sinfo prints it (`[days-]hours:minutes:seconds`, or
+    `minutes[:seconds]`) in whole minutes; None for none (`infinite`, `UNLIMITED`)."""
+    text = text.strip()
+    if not text or text.lower() in ("infinite", "unlimited", "n/a"):
+        return None
+    days, _, clock = text.rpartition("-")
+    parts = [int(p) for p in clock.split(":")]
+    hours, minutes = (parts[0], parts[1]) if len(parts) == 3 else (0, parts[0])
+    return (int(days or 0) * 24 + hours) * 60 + minutes
+
+
+def check_time_limit(config: dict, res: dict[str, str]) -> Check | None:
+    """Every Slurm job this run submits (config.slurm_jobs: their runtimes) against the
+    MaxTime of its partition (slurm_partition, else Slurm's default one), where `sinfo`
+    answers: a job asking for more is refused by sbatch (EnforcePartLimits) or never
+    starts, and the run waits on it for ever."""
+    if not shutil.which("sinfo"):
+        return None
+    try:
+        got = subprocess.run(
+            ["sinfo", "-h", "-o", "%P %l"], capture_output=True, text=True, timeout=20
+        )
+    except subprocess.TimeoutExpired:
+        return Check("slurm time", WARN, "sinfo did not answer in 20 s: time limits unchecked")
+    named = res.get("slurm_partition")
+    found = [
+        (name.rstrip("*"), text)
+        for name, text in (line.split() for line in got.stdout.splitlines() if line.count(" ") == 1)
+        if (name.rstrip("*") == named if named else name.endswith("*"))
+    ]
+    if got.returncode != 0 or not found:
+        return None  # check_slurm says the partition is unknown
+    part, text = found[0]
+    try:
+        limits = [time_limit_minutes(t) for _, t in found]
+    except ValueError:  # a format this does not know: Slurm decides
+        return Check("slurm time", WARN, f"sinfo's time limit of {part!r}: {text!r}")
+    if None in limits:
+        return Check("slurm time", OK, f"partition {part!r} has no time limit")
+    limit = min(limits)
+    jobs = [j for j in slurm_jobs(config) if j.runs]
+    detail = f"partition {part!r} allows {limit} min (sinfo MaxTime {text})"
+    over = [j for j in jobs if j.minutes > limit]
+    if over:
+        said = "; ".join(f"{j.rule} {j.minutes} min: {j.fix.format(limit=limit)}" for j in over)
+        return Check("slurm time", FAIL, f"{detail}, and this run's jobs ask for more: {said}")
+    longest = max(j.minutes for j in jobs)
+    return Check("slurm time", OK, f"{detail}; the longest job asks {longest} min")
+
+
 def gpu_checks(config: dict) -> list[Check]:
     """The checks only a GPU node answers: GPUs, NCCL, bf16."""
     need = gpus_per_node(config)
@@ -260,6 +312,8 @@ def run_checks(
     found.append(check_disk(config, workdir))
     if slurm is not None:
         found.append(check_slurm(config, slurm))
+        if limit := check_time_limit(config, slurm):
+            found.append(limit)
     if runs_on_cuda(config["device"]):
         if gpus is None:
             gpus = slurm is None

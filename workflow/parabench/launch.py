@@ -159,9 +159,13 @@ def collectives_settings(message_bytes: list[int], device: str) -> dict:
     return {"message_bytes": [int(b) for b in message_bytes], "device": device}
 
 
-def ranks_command(config: dict, out: Path | str, python: str = "python") -> list[str]:
-    """`parabench ranks ...`: the ranks job's command for the rule and the sweep."""
-    return [python, "-m", "parabench", "ranks", *_config_args(config), "--out", str(out)]
+def ranks_command(
+    config: dict, out: Path | str, part: tuple[int, int] | None = None, python: str = "python"
+) -> list[str]:
+    """`parabench ranks ...`: the ranks job's command for the rule and the sweep; `part`
+    (i, k): the i-th of k jobs measuring them (config.ranks_of)."""
+    parts = ["--part", f"{part[0]}/{part[1]}"] if part else []
+    return [python, "-m", "parabench", "ranks", *_config_args(config), *parts, "--out", str(out)]
 
 
 def plan_command(
@@ -254,36 +258,43 @@ def guard_table(
     timeout_s: float,
     what: str,
     resumes: bool = False,
+    log: str | None = None,
 ) -> str | None:
     """Run `argv`, a child that measures the `wanted` rows (their keys) in that order and
     rewrites the CSV `path` atomically after each, and make sure the table ends with a
-    row for every one. Where the child crashed, was killed or ran past `timeout_s`, the
-    row it was measuring (the first it had not written) is a failed row that says how,
-    and so is each row it never reached. A child that `resumes` (skips the rows already
-    in the table) and was killed by the kernel (the OOM killer's SIGKILL, a crash in
-    native code) is started again for the rest instead. Returns how the child last ended (None: it
-    finished); what goes on is left to the caller, whose table is whole."""
+    row for every one. Each row has `timeout_s` (rank_timeout_s): the child is killed
+    when it goes that long without a new row, so a rank that hangs costs its own limit,
+    never the time of the ranks after it, and a job of n rows ends within n times it
+    (and a second a row: how often it looks). Where the child crashed, was killed or
+    ran past a row's time, the row it was measuring (the first it had not written) is
+    a failed row that says how, and so is each row it never reached. A child that
+    `resumes` (skips the rows already in the table) and was killed by the kernel (the
+    OOM killer's SIGKILL, a crash in native code) or ran past a row's time is started
+    again for the rest instead. Returns how the child last ended (None: it finished);
+    what goes on is left to the caller, whose table is whole. `log`: where the child's
+    output goes, for the reasons (default logs/<what>.log)."""
     from parabench.guard import describe_exit
     from parabench.records import read_rows, write_rows
 
     path.unlink(missing_ok=True)  # never a stale row
     path.parent.mkdir(parents=True, exist_ok=True)
-    deadline = time.monotonic() + timeout_s
+    log = log or f"logs/{what}.log"
 
     def key_of(row: dict) -> tuple[str, ...]:
         return tuple(str(row[k]) for k in key)
 
     def failed(row: dict, why: str) -> dict:
-        return {**row, "status": "failed", "reason": f"the {what} process {why} (logs/{what}.log)"}
+        return {**row, "status": "failed", "reason": f"the {what} process {why} ({log})"}
 
     while True:
-        try:
-            left = max(0.0, deadline - time.monotonic())
-            code = subprocess.run(argv, timeout=left, check=False).returncode
+        code = _while_writing(argv, path, timeout_s)
+        if code is None:
+            why = (
+                f"ran past {timeout_s:g} s on one rank and was killed (rank_timeout_s, "
+                "or cell_timeout_s where lower)"
+            )
+        else:
             why = None if code == 0 else f"ended ({describe_exit(code)})"
-        except subprocess.TimeoutExpired:
-            code = None
-            why = f"ran past its {timeout_s:g} s and was killed (cell_timeout_s sets it)"
         rows = read_rows(path)
         done = {key_of(r) for r in rows}
         missing = [row for row in wanted if key_of(row) not in done]
@@ -294,8 +305,9 @@ def guard_table(
             break
         rows.append(failed(missing[0], f"{why} while measuring it"))
         # a signal the kernel sends (SIGKILL of the OOM killer, SIGSEGV, SIGABRT), not
-        # one a person or the scheduler sends to stop the job
-        killed = code is not None and code < 0 and -code not in (signal.SIGINT, signal.SIGTERM)
+        # one a person or the scheduler sends to stop the job; or our own kill of a row
+        # past its time
+        killed = code is None or (code < 0 and -code not in (signal.SIGINT, signal.SIGTERM))
         if resumes and killed and len(missing) > 1:
             write_rows(path, columns, rows)
             print(f"{what}: {why}; again, for the {len(missing) - 1} rows left", flush=True)
@@ -307,35 +319,80 @@ def guard_table(
     return why
 
 
-def launch_ranks(config: dict, out: Path) -> int:
-    """`parabench ranks`: measure one rank of each multi-rank cell alone (ranks.py) in
-    a child process under guard_table, so out/ranks.csv ends with a row for every rank
-    (cell_timeout_s for each cell's ranks). Returns 0: the sweep goes on to its summary
-    and report."""
-    from parabench.config import alone_ranks, rank_key
+POLL_S = 1.0  # how often guard_table looks for a new row
+
+
+def _while_writing(argv: list[str], path: Path, timeout_s: float) -> int | None:
+    """Run `argv` until it ends (its exit code) or goes `timeout_s` without rewriting
+    `path`, each rewrite (an atomic replace: a new inode) starting the time again;
+    then kill it (None). Its own start counts against its first row."""
+
+    def stamp() -> tuple[int, int] | None:
+        try:
+            st = path.stat()
+        except FileNotFoundError:
+            return None
+        return st.st_ino, st.st_mtime_ns
+
+    proc = subprocess.Popen(argv)
+    try:
+        seen, deadline = stamp(), time.monotonic() + timeout_s
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                return proc.wait(timeout=max(0.0, min(POLL_S, left)))
+            except subprocess.TimeoutExpired:
+                pass
+            if (now := stamp()) != seen:
+                seen, deadline = now, time.monotonic() + timeout_s
+            elif left <= 0:
+                proc.kill()
+                proc.wait()
+                return None
+    except BaseException:  # interrupted: the child goes with the guard
+        proc.kill()
+        proc.wait()
+        raise
+
+
+def launch_ranks(config: dict, out: Path, part: tuple[int, int] | None = None) -> int:
+    """`parabench ranks`: measure one rank of each multi-rank cell alone (ranks.py; with
+    `part`, that job's share of them: config.ranks_of) in a child process under
+    guard_table, which gives each rank config.rank_limit_s and starts the child again
+    after a rank that killed it or ran past it, so out/ranks.csv ends with a row for
+    every rank. Returns 0: the sweep goes on to its summary and report."""
+    from parabench.config import rank_key, rank_limit_s, ranks_of
     from parabench.records import RANK_COLUMNS, RANK_KEY
 
-    ranks = alone_ranks(config)
-    wanted = [rank_key(spec, rank) for spec, rank in ranks]
-    timeout = config["cell_timeout_s"] * max(1, len({spec for spec, _ in ranks}))
-    argv = [*ranks_command(config, out, sys.executable), "--measure"]
+    wanted = [rank_key(spec, rank) for spec, rank in ranks_of(config, part)]
+    argv = [*ranks_command(config, out, part, sys.executable), "--measure"]
+    log = f"logs/ranks/part{part[0]}of{part[1]}.log" if part else "logs/ranks.log"
     out.mkdir(parents=True, exist_ok=True)
-    guard_table(argv, out / "ranks.csv", RANK_COLUMNS, RANK_KEY, wanted, timeout, "ranks")
+    guard_table(
+        argv,
+        out / "ranks.csv",
+        RANK_COLUMNS,
+        RANK_KEY,
+        wanted,
+        rank_limit_s(config),
+        "ranks",
+        resumes=True,
+        log=log,
+    )
     return 0
 
 
 def launch_plan(config: dict, out: Path, collectives: Path | None, fields: dict) -> int:
     """`parabench plan`: plan every rank (plan.py) in a child process under guard_table,
-    which starts it again after a rank that killed it (cell_timeout_s for each planned
-    rank in all), so out/plan.csv ends with a row for every planned rank. `fields`: what
-    each row carries whatever its rank did (the fabric's name and source, the scaling).
-    Returns 0: the sweep goes on to its report."""
-    from parabench.config import plan_key, planned_specs
+    which gives each planned rank config.rank_limit_s and starts the child again after
+    a rank that killed it or ran past it, so out/plan.csv ends with a row for every
+    planned rank. `fields`: what each row carries whatever its rank did (the fabric's
+    name and source, the scaling). Returns 0: the sweep goes on to its report."""
+    from parabench.config import plan_key, planned_specs, rank_limit_s
     from parabench.records import PLAN_COLUMNS, PLAN_KEY
 
-    specs = planned_specs(config)
-    wanted = [{**plan_key(spec), **fields} for spec in specs]
-    timeout = config["cell_timeout_s"] * max(1, len(specs))
+    wanted = [{**plan_key(spec), **fields} for spec in planned_specs(config)]
+    timeout = rank_limit_s(config)
     argv = [*plan_command(config, out, collectives, sys.executable), "--measure"]
     out.mkdir(parents=True, exist_ok=True)
     guard_table(argv, out / "plan.csv", PLAN_COLUMNS, PLAN_KEY, wanted, timeout, "plan", True)

@@ -34,11 +34,11 @@ from pathlib import Path
 import torch
 
 from parabench import envinfo, faults, nocomm, profiling, runtime, strategies
-from parabench.config import alone_ranks, rank_key
+from parabench.config import rank_key, ranks_of
 from parabench.data import Shard, SyntheticBatches
 from parabench.loop import run_step, synchronizer
 from parabench.models import build
-from parabench.records import RANK_COLUMNS, write_rows
+from parabench.records import RANK_COLUMNS, RANK_KEY, read_rows, write_rows
 from parabench.spec import RunSpec
 from parabench.strategies import checkpointing
 
@@ -179,13 +179,22 @@ def threads_of(spec: RunSpec, rank: int, cores: int) -> int:
     return len(runtime.share(rank % local, local, list(range(cores))))
 
 
-def run_ranks(config: dict, out: Path) -> None:
-    """Measure every rank of config.alone_ranks(config), one after another, each with
-    the threads its rank of the cell gets; out/ranks.csv is rewritten after each, so a
-    crash loses none measured before it (launch.launch_ranks accounts for the rest)."""
+def run_ranks(config: dict, out: Path, part: tuple[int, int] | None = None) -> None:
+    """Measure every rank of config.alone_ranks(config) (with `part`, this job's share:
+    config.ranks_of), one after another, each with the threads its rank of the cell
+    gets; out/ranks.csv is rewritten after each, so a crash loses none measured before
+    it. Rows already in out/ranks.csv are kept, not measured again: launch.launch_ranks,
+    which runs this in a child, starts it again after a rank that killed it or ran past
+    its time, having recorded that rank as failed."""
     cores = envinfo.usable_cores()
-    rows = []
-    for spec, rank in alone_ranks(config):
+    path = out / "ranks.csv"
+    wanted = ranks_of(config, part)
+    keys = {_key(rank_key(spec, rank)) for spec, rank in wanted}
+    rows = [row for row in read_rows(path) if _key(row) in keys]
+    done = {_key(row) for row in rows}
+    for spec, rank in wanted:
+        if _key(rank_key(spec, rank)) in done:
+            continue
         threads = threads_of(spec, rank, cores)
         t0 = time.perf_counter()
         got = measured(spec, threads, rank)
@@ -193,9 +202,13 @@ def run_ranks(config: dict, out: Path) -> None:
             if key in got:
                 got[key] = json.dumps(got[key], sort_keys=True)
         rows.append({**rank_key(spec, rank), "threads": threads, **got})
-        write_rows(out / "ranks.csv", RANK_COLUMNS, rows)
+        write_rows(path, RANK_COLUMNS, rows)
         print(
             f"ranks {spec.model_name} {spec.strategy} x{spec.devices} rank {rank}: "
             f"{got['status']} {got.get('reason') or ''}[{time.perf_counter() - t0:.1f} s]",
             flush=True,
         )
+
+
+def _key(row: dict) -> tuple[str, ...]:
+    return tuple(str(row[k]) for k in RANK_KEY)

@@ -207,6 +207,14 @@ def read_rows(path: Path) -> list[dict]:
         return []
 
 
+def concat_rows(paths: list[Path], out: Path, columns: tuple[str, ...]) -> str:
+    """One table of the rows of several written by write_rows (a job's parts), in
+    their order, atomically; returns a line saying so, for the log."""
+    rows = [row for path in paths for row in read_rows(Path(path))]
+    write_rows(out, columns, rows)
+    return f"{out}: {len(rows)} rows of {', '.join(map(str, paths))}\n"
+
+
 def write_rows(path: Path, columns: tuple[str, ...], rows: list[dict]) -> None:
     """A CSV of `rows` under `columns` (missing values empty, others dropped), atomically."""
     buf = io.StringIO()

@@ -247,7 +247,7 @@ def _run_ranks(config: dict, results: Path, force: bool, retry_failed: bool) -> 
     if not force and _kept(table, RANK_KEY, wanted, lines, retry_failed):
         print(f"ranks: measured with these settings, kept ({table})", flush=True)
     else:
-        _measure("ranks", ranks_command(config, results, sys.executable), table, lines)
+        _measure("ranks", ranks_command(config, results, python=sys.executable), table, lines)
     return table
 
 

@@ -25,7 +25,7 @@ rule advise:
     conda:
         "../envs/parabench.yaml"
     resources:
-        runtime=30,
+        runtime=RUNTIME["advise"],
         timed_cells=1,
         slurm_extra=slurm_extra,
     params:

@@ -20,7 +20,7 @@ rule benchmark:
     threads: lambda wc: max(1, int(wc.devices))
     resources:
         gpu=gpus,
-        runtime=lambda wc: int(config["cell_timeout_s"] // 60) + 5,
+        runtime=RUNTIME["benchmark"],
         # One timed job at a time (see resource_scopes in the Snakefile).
         timed_cells=1,
         slurm_extra=slurm_extra,
@@ -49,7 +49,7 @@ rule collectives:
     threads: lambda wc: int(wc.devices)
     resources:
         gpu=lambda wc: 0 if config["device"] == "cpu" else int(wc.devices),
-        runtime=lambda wc: int(config["cell_timeout_s"] // 60) + 5,
+        runtime=RUNTIME["collectives"],
         # timed like a cell: never beside one (see resource_scopes in the Snakefile)
         timed_cells=1,
         slurm_extra=slurm_extra,
@@ -85,7 +85,7 @@ rule benchmark_multinode:
         nodes=nodes,
         tasks=nodes,
         slurm_extra=lambda wc: f"--gpus-per-node={int(wc.devices) // nodes(wc)} {slurm_extra(wc)}",
-        runtime=lambda wc: int(config["cell_timeout_s"] // 60) + 5,
+        runtime=RUNTIME["benchmark"],
         timed_cells=1,
     params:
         measures=lambda wc: _spec(wc).config_hash(),  # as rule benchmark's

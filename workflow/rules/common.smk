@@ -19,7 +19,10 @@ from parabench.config import (
     collective_devices,
     load_schema,
     problems,
+    rank_parts,
+    ranks_of,
     skipped,
+    slurm_jobs,
 )
 from parabench import doctor, lock
 from parabench.config import advise_measures, measures, planned_specs
@@ -31,7 +34,7 @@ from parabench.launch import (
     plan_command,
     ranks_command,
 )
-from parabench.records import CELL_DIR
+from parabench.records import CELL_DIR, RANK_COLUMNS, concat_rows
 
 RESULTS = config["results"]
 # The repository (where report/ lives), whatever the working directory is.
@@ -47,6 +50,10 @@ if _problems:
     raise WorkflowError("invalid config:\n  - " + "\n  - ".join(_problems))
 
 CELLS = {cell.path: cell for cell in cells(config)}
+
+# The runtime (minutes) each rule's Slurm jobs ask for: what its guard allows, and a
+# margin (config.slurm_jobs, which the preflight checks against the partition).
+RUNTIME = {job.rule: job.minutes for job in slurm_jobs(config)}
 
 # Cells a strategy cannot run for this model, device count or device (a width tensor
 # parallelism cannot split, fewer blocks than stages, DataParallel on CPU): listed when
@@ -127,13 +134,19 @@ def collectives_launch(wc, output):
     )
 
 
+def rank_part(wc):
+    """A ranks job's part (i, k) of ranks.smk's RANK_PARTS, or None: the one job."""
+    return (int(wc.part), RANK_PARTS) if hasattr(wc, "part") else None
+
+
 # Of the ranks and plan jobs, Snakemake compares (its params trigger) what they measure
 # (params.measures), nothing else of the config: each reruns when that changes, never
-# for cell_timeout_s or exclusive_nodes. Their commands carry the whole config, timeouts
-# included; like each cell's, they are functions of the output, which it leaves out.
+# for cell_timeout_s, rank_timeout_s or exclusive_nodes. Their commands carry the whole
+# config, timeouts included; like each cell's, they are functions of the output, which
+# it leaves out.
 def ranks_launch(wc, output):
     """The ranks job's command; params.measures: each rank and its settings."""
-    return shlex.join(ranks_command(config, Path(output.ranks).parent))
+    return shlex.join(ranks_command(config, Path(output.ranks).parent, rank_part(wc)))
 
 
 def plan_measures(wc):
@@ -183,15 +196,18 @@ def release_results_lock():
         lock.release(_HELD.pop())
 
 
-def preflight():
+def preflight(executor=None):
     """The doctor's checks for this run (parabench.doctor), a log line each, in a process
     of its own with the jobs' python (`python` on PATH, as the rules start it): their
     torch is what counts, and any CUDA context the checks open ends with it.
+    `executor`: the run's executor plugin (default the workflow's, once it runs).
     WorkflowError if one fails, before any job starts."""
+    executor = executor or workflow.executor_plugin
+    local = executor is None or executor.common_settings.local_exec
     slurm = None
-    if workflow.executor_plugin is not None and not workflow.local_exec:
+    if not local:
         slurm = doctor.resources(workflow.resource_settings.default_resources.args or [])
-    lines, ok = doctor.in_child(config, "python", slurm, gpus=workflow.local_exec)
+    lines, ok = doctor.in_child(config, "python", slurm, gpus=local)
     for line in lines:
         logger.info(f"parabench doctor: {line}")
     if not ok:
@@ -199,3 +215,24 @@ def preflight():
             "parabench doctor: this environment cannot run this config (the FAIL lines "
             "above); nothing was started"
         )
+
+
+def run_held(execute):
+    """Snakemake's run of the workflow (`workflow.execute`), holding the results lock
+    and after the preflight where --no-hooks leaves out onstart, onsuccess and onerror,
+    which do both otherwise: the run's settings are known here (Snakemake sets them
+    before it calls this), and so is its executor (a dry run's takes neither). In the
+    main process only: a cluster job's parse runs no workflow of its own."""
+
+    def run(*args, **kwargs):
+        executor = kwargs.get("executor_plugin", args[0] if args else None)
+        if not workflow.execution_settings.no_hooks or executor.common_settings.dryrun_exec:
+            return execute(*args, **kwargs)
+        take_results_lock()
+        try:
+            preflight(executor)
+            return execute(*args, **kwargs)
+        finally:
+            release_results_lock()
+
+    return run

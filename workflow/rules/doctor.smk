@@ -5,7 +5,8 @@
 #   snakemake --profile profiles/slurm doctor
 # runs all of them in a short job asking for the GPUs of the largest cell. The checks
 # before the first job are common.smk's preflight(), which the Snakefile's onstart
-# calls: not on a dry run, so `snakemake -n` plans any config on any host.
+# calls (under --no-hooks, the run itself: run_held): not on a dry run, so
+# `snakemake -n` plans any config on any host.
 import json
 
 from parabench import doctor
@@ -20,7 +21,7 @@ rule doctor:
         "../envs/parabench.yaml"
     resources:
         gpu=0 if config["device"] == "cpu" else max(1, doctor.gpus_per_node(config)),
-        runtime=5,
+        runtime=RUNTIME["doctor"],
     params:
         config=json.dumps(config, sort_keys=True),
     shell:

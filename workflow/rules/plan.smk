@@ -17,8 +17,8 @@ rule plan:
         "../envs/parabench.yaml"
     resources:
         gpu=0 if config["device"] == "cpu" else 1,
-        # the plan's time limit: cell_timeout_s for each planned rank (launch.launch_plan)
-        runtime=lambda wc: int(config["cell_timeout_s"] * len(planned_specs(config)) // 60) + 5,
+        # rank_timeout_s for each planned rank (launch.launch_plan)
+        runtime=RUNTIME["plan"],
         timed_cells=1,
         slurm_extra=slurm_extra,
     params:

@@ -14,9 +14,11 @@ a file the user provides, `<module>.py` (dots are folders) in the config's `path
 the working directory, never a file inside a Python installation or environment (the
 standard library, installed packages, a virtual environment: any Python's on the host,
 not only the running one's). The file is found without importing anything and loaded
-by its path under a name of its own (it shadows no module and joins no sys.path, so its
-name may be any, test.py or types.py too); anything else is refused before any of its
-code runs. The function must be defined in that file.
+by its path under a name of its own (it shadows no module, so its name may be any,
+test.py or types.py too); anything else is refused before any of its code runs. The
+function must be defined in that file. While the file loads and the factory runs, its
+directory is importable after every other (`importable`): it may import a file beside
+it, which shadows no module either.
 
 The factory is checked when the workflow plans, before any job, on fake tensors
 (FakeTensorMode: no memory, no arithmetic, so a 70B model plans in seconds): an import
@@ -41,6 +43,7 @@ import re
 import site
 import sys
 import sysconfig
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -199,14 +202,36 @@ def _module(file: Path, label: str):
     module = importlib.util.module_from_spec(found)
     sys.modules[name] = module  # as `import` would: dataclasses and pickle look it up
     try:
-        found.loader.exec_module(module)
+        with importable(file.parent):
+            found.loader.exec_module(module)
     except Exception as e:
         del sys.modules[name]
         raise FactoryError(f"cannot import {label!r} ({type(e).__name__}: {e})") from e
     return module
 
 
-def _load(factory: str, path: str | None = None):
+@contextlib.contextmanager
+def importable(folder: Path) -> Iterator[None]:
+    """The factory's own directory (never inside a Python installation: locate refuses
+    one) importable while its file loads and while the factory runs, so it may import a
+    file beside it (`from helpers import width`), as a script imports the files beside
+    it. Appended to sys.path, never first: a file there is found only where no module of
+    Python's or of an installed package has its name, so it shadows none (the rule
+    PYTHONSAFEPATH keeps for the jobs), and only meanwhile: a later import of a module
+    nobody installed never finds the user's file."""
+    entry = str(folder)
+    added = entry not in sys.path
+    if added:
+        sys.path.append(entry)
+    try:
+        yield
+    finally:
+        if added and entry in sys.path:
+            sys.path.remove(entry)
+
+
+def _load(factory: str, path: str | None = None) -> tuple[Callable, Path]:
+    """The factory function and its file."""
     file, function = locate(factory, path)
     label = factory.partition(":")[0]
     module = _module(file, label)
@@ -219,7 +244,7 @@ def _load(factory: str, path: str | None = None):
             f"{function!r} is not defined in {file} (it comes from "
             f"{getattr(fn, '__module__', None)!r}): a factory is a function of your own file"
         )
-    return fn
+    return fn, file
 
 
 def build_custom(spec: ModelSpec, fake: FakeTensorMode | None = None) -> Model:
@@ -227,10 +252,11 @@ def build_custom(spec: ModelSpec, fake: FakeTensorMode | None = None) -> Model:
     `fake`, the factory runs under that FakeTensorMode (its module is loaded outside
     it, so what the file makes at import is real)."""
     sizes = spec.size_dict()
-    fn = _load(sizes["factory"], sizes.get("path"))
+    fn, file = _load(sizes["factory"], sizes.get("path"))
     args = dict(sizes.get("args") or {})
     try:
         with contextlib.ExitStack() as under:
+            under.enter_context(importable(file.parent))
             if fake:
                 under.enter_context(quiet_fake())
                 under.enter_context(fake)

@@ -53,7 +53,7 @@ def build_context(r: Results, config: dict) -> dict:
         "checks": _checks(s[s["status"] == "ok"]),
         "layouts": answers(s),
         "model_error": scaling.error_table(s),
-        "at_scale": at_scale(r, config),
+        "at_scale": at_scale(r),
         "plan_wanted": bool((config.get("plan") or {}).get("enabled")),
         "torchtitan": torchtitan_check(PROFILES["h100-nvlink-ndr400"]),
         "advice": advice(r.advise, r.torchtitan, s),
@@ -89,10 +89,10 @@ def build_context(r: Results, config: dict) -> dict:
     }
 
 
-def at_scale(r: Results, config: dict) -> dict | None:
+def at_scale(r: Results) -> dict | None:
     """The plan (plan.csv): its rows, and where each strategy fits."""
     p = r.plan
-    if p.empty or not (config.get("plan") or {}).get("enabled"):
+    if p.empty:
         return None
     ok = p[p["status"] == "ok"]
     fit = []
@@ -180,7 +180,7 @@ def render(
         lstrip_blocks=True,
     )
     _filters(env)
-    ctx = build_context(Results.load(results), config)
+    ctx = build_context(Results.load(results, config), config)
     html = env.get_template("report.html.j2").render(**ctx)
     if plots_dir is not None:
         Path(plots_dir).mkdir(parents=True, exist_ok=True)

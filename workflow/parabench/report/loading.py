@@ -22,15 +22,24 @@ class Results:
     torchtitan: pd.DataFrame  # advise's check against torchtitan's runs, where it ran
 
     @classmethod
-    def load(cls, results: Path) -> Results:
+    def load(cls, results: Path, config: dict) -> Results:
+        """The tables in `results`; plan.csv and advise's only where `config` runs
+        them (the rules' inputs say the same): one left by an earlier run, before
+        plan.enabled or advise.enabled was turned off, is no part of this one."""
         tables = [pd.read_csv(results / f"{n}.csv") for n in ("summary", "cells", "steps")]
         for t in tables:  # one label per (model, variant): the plots' panels, the headlines'
             t["panel"] = panel_labels(t)
         path = results / "collectives.csv"
         curves = pd.read_csv(path) if path.exists() else pd.DataFrame()
+        plan, advise = config.get("plan") or {}, config.get("advise") or {}
+        ran = {
+            "plan.csv": plan.get("enabled"),
+            "advise.csv": advise.get("enabled"),
+            "advise-torchtitan.csv": advise.get("enabled") and advise.get("torchtitan"),
+        }
         extra = [
-            pd.read_csv(path) if (path := results / name).exists() else pd.DataFrame()
-            for name in ("plan.csv", "advise.csv", "advise-torchtitan.csv")
+            pd.read_csv(path) if wanted and (path := results / name).exists() else pd.DataFrame()
+            for name, wanted in ran.items()
         ]
         return cls(*tables, curves, *extra)
 
