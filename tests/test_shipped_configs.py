@@ -243,6 +243,13 @@ def test_the_gpu_check_ends_listing_the_cuda_paths_it_ran(tmp_path):
     cells_csv.to_csv(tmp_path / "cells.csv", index=False)
     lines = cuda_paths(tmp_path)
     assert status("torchrun agent, forked rank, NCCL group bound to its GPU") == "not run"
+    # a plan.csv of an earlier run, the plan disabled now: no rank it ran counts
+    (tmp_path / "ranks.csv").unlink()
+    pd.DataFrame([{"status": "ok"}]).to_csv(tmp_path / "plan.csv", index=False)
+    lines = cuda_paths(tmp_path, planned=False)
+    assert status("ranks measured alone on CUDA (ranks.csv, plan.csv)") == "not run"
+    lines = cuda_paths(tmp_path, planned=True)
+    assert status("ranks measured alone on CUDA (ranks.csv, plan.csv)") == "ran"
 
 
 def test_the_collectives_benchmark_at_one_rank_claims_no_bus_bandwidth(tmp_path):

@@ -340,13 +340,14 @@ def _render(config: dict, results: Path) -> Path:
 
     render(results, TEMPLATES, config, results / "report.html")
     if runs_on_cuda(config["device"]):
-        print("\n".join(cuda_paths(results)), flush=True)
+        print("\n".join(cuda_paths(results, config["plan"]["enabled"])), flush=True)
     return results / "report.html"
 
 
-def cuda_paths(results: Path) -> list[str]:
+def cuda_paths(results: Path, planned: bool = True) -> list[str]:
     """Which CUDA paths a sweep ran, read from its tables, and which need more GPUs than
-    it had (what `make gpu-check` ends with): a line each, `ran` or `not run`."""
+    it had (what `make gpu-check` ends with): a line each, `ran` or `not run`. The plan's
+    table is read where the plan ran (`planned`: plan.enabled)."""
     import pandas as pd
 
     def table(name: str) -> pd.DataFrame:
@@ -395,8 +396,9 @@ def cuda_paths(results: Path) -> list[str]:
     lines.append(ran("allocator peaks and the kernel-trace anatomy", ok, ""))
     at = sorted(int(n) for n in curves["devices"].unique()) if "devices" in curves else []
     lines.append(ran(f"collectives benchmark (NCCL) at {at} ranks", curves, "no benchmark ran"))
-    planned = table("plan.csv")
-    alone = [t[t["status"] == "ok"] for t in (ranks, planned) if "status" in t]
+    # plan.csv only while the plan runs: a disabled plan's table is an older run's
+    plan = table("plan.csv") if planned else pd.DataFrame()
+    alone = [t[t["status"] == "ok"] for t in (ranks, plan) if "status" in t]
     alone = pd.concat(alone) if alone else ranks
     lines.append(
         ran("ranks measured alone on CUDA (ranks.csv, plan.csv)", alone, "none ran: plan.enabled")
