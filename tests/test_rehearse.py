@@ -272,3 +272,34 @@ def test_the_rehearsals_total_peak_is_torchs_memtrackers(tmp_path):
     assert len(got) == 3
     for path, (module_tracker, total_tracker) in got.items():
         assert module_tracker > 0 and total_tracker == module_tracker, path
+
+
+# Ranks of several cells one after another in one process, each on its own device: a
+# tensor-parallel rank on cuda:0, then one on cuda:3 (what a rehearsal's worker does).
+ONE_PROCESS = """
+import json, sys
+from pathlib import Path
+from parabench import fakecuda
+fakecuda.install()
+from parabench import rehearse
+from parabench.config import checked
+rows = rehearse.run(checked(json.loads(sys.argv[1])), Path(sys.argv[2]), "h100", workers=1)
+print(json.dumps([(r["strategy"], r["rank"], r["status"], r["reason"]) for r in rows]))
+"""
+
+
+def test_ranks_on_other_devices_one_after_another_in_one_process(tmp_path):
+    cfg = config(tmp_path, strategies=["tp", "fsdp_tp"], devices=[2, 4], precision=["fp32"])
+    cfg["options"] = {"fsdp_tp": {"tp": 2}}
+    cfg = checked(cfg)
+    proc = subprocess.run(
+        [sys.executable, "-c", ONE_PROCESS, json.dumps(cfg), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(proc.stdout.splitlines()[-1])
+    assert ["fsdp_tp", "3", "ok", ""] in rows, rows
+    assert all(status == "ok" for _, _, status, _ in rows), rows

@@ -188,8 +188,14 @@ def node(gpus: int, name: str, memory_bytes: int) -> Iterator[None]:
 
     def set_device(device) -> None:
         # the C++ guard's current device too: a factory on "cuda" resolves it there
-        _Node.index = _device(device).index
-        torch.accelerator.set_device_index(_Node.index)
+        index = _device(device).index
+        if index != _Node.index:
+            # FakeTensorMode's dispatch cache keys a factory's device as it was given
+            # ("cuda") and keeps the device that resolved to: another current device
+            # makes its entries wrong
+            FakeTensorMode.cache_clear()
+        _Node.index = index
+        torch.accelerator.set_device_index(index)
 
     def current_stream(device=None):
         return torch.accelerator.current_stream(_device(device).index)
