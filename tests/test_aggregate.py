@@ -1,5 +1,8 @@
 """The summary's definitions, checked on known numbers, strong and weak scaling."""
 
+import errno
+import os
+
 import pandas as pd
 import pytest
 
@@ -39,3 +42,34 @@ def test_failed_and_skipped_cells_stay_in_the_summary(tmp_path):
     assert s.loc[("dp", 2), "status"] == "skipped" and s.loc[("dp", 2), "repeats_ok"] == 0
     assert s.loc[("pipeline", 4), "status"] == "failed"
     assert "rank 3 died" in s.loc[("pipeline", 4), "reason"]
+
+
+def test_the_four_tables_are_replaced_together(tmp_path, monkeypatch):
+    """A merge that fails while writing its tables (here the disk fills up at the last
+    one) leaves the previous merge's four tables, never new steps and cells beside an
+    old summary; and no temporary file."""
+    out = tmp_path / "out"
+    paths = {t: out / f"{t}.csv" for t in ("steps", "cells", "summary", "collectives")}
+
+    def merge(metas: list) -> None:
+        aggregate(metas, paths["steps"], paths["summary"], paths["cells"], (), paths["collectives"])
+
+    merge(make_results(tmp_path / "before", 1))
+    before = {t: p.read_bytes() for t, p in paths.items()}
+    metas = make_results(tmp_path / "after", 2)  # more repeats: other steps, cells, summary
+    synced, fsync = [], os.fsync
+
+    def disk_full_at_the_fourth(fd: int) -> None:
+        synced.append(fd)
+        if len(synced) == 4:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", disk_full_at_the_fourth)
+    with pytest.raises(OSError, match="No space left"):
+        merge(metas)
+    assert {t: p.read_bytes() for t, p in paths.items()} == before
+    assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in paths.values())
+    monkeypatch.setattr(os, "fsync", fsync)
+    merge(metas)
+    assert all(paths[t].read_bytes() != before[t] for t in ("steps", "cells", "summary"))

@@ -550,8 +550,9 @@ def aggregate(
     ranks = pd.read_csv(ranks_csv) if ranks_csv else None
     summary = summarize(cells, steps, curves, ranks)
     cells = cells.drop(columns=list(_IN_MEMORY))
-    outputs = [(steps, steps_out), (cells, cells_out), (summary, summary_out)]
+    outputs = {Path(steps_out): steps, Path(cells_out): cells, Path(summary_out): summary}
     if collectives_out is not None:
-        outputs.append((curves, collectives_out))
-    for df, path in outputs:
-        records.atomic_write_bytes(Path(path), df.to_csv(index=False).encode())
+        outputs[Path(collectives_out)] = curves
+    # Together: all written before any replaces its old table (records.atomic_write_files
+    # says what a reader can still see).
+    records.atomic_write_files({p: df.to_csv(index=False).encode() for p, df in outputs.items()})

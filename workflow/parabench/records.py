@@ -14,6 +14,7 @@ import json
 import os
 import tempfile
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
 SCHEMA_VERSION = 4
@@ -213,17 +214,35 @@ class ResultsError(ValueError):
 def atomic_write_bytes(path: Path, data: bytes) -> None:
     """Write to a temporary name in the same directory, then rename: a reader (or a
     killed run) sees the old file or the whole new one, never a half-written one."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    atomic_write_files({path: data})
+
+
+def atomic_write_files(files: Mapping[Path, bytes]) -> None:
+    """Write each file to a temporary name in its directory, all of them, and only
+    then rename each over its own: a failure while writing (a full disk, a kill)
+    leaves every old file as it was. The renames are one system call each, so a reader
+    may still see the old files and the new ones mixed for the microseconds between
+    two of them, and a crash in those microseconds leaves the mix; never a
+    half-written file."""
+    staged: list[tuple[str, Path]] = []
     try:
-        os.fchmod(fd, 0o666 & ~_UMASK)  # mkstemp's 0600 would keep a shared report private
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        for path, data in files.items():
+            path = Path(path)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+            staged.append((tmp, path))
+            os.fchmod(fd, 0o666 & ~_UMASK)  # mkstemp's 0600 would keep a shared report private
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+        while staged:  # each renamed is no longer a temporary to remove
+            tmp, path = staged[0]
+            os.replace(tmp, path)
+            staged.pop(0)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        for tmp, _ in staged:
+            Path(tmp).unlink(missing_ok=True)
         raise
 
 
