@@ -17,11 +17,14 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 # Version 3, before activation checkpointing joined a cell's key: read as `ac: none`
 # (what those cells ran), so a finished result survives the upgrade; its settings hash
-# is unchanged too (RunSpec leaves `ac` out of it when none).
-ALSO_READ = {3: {"ac": "none"}}
+# is unchanged too (RunSpec leaves `ac` out of it when none). Version 4, before a large
+# model's params.pt became its fingerprint (fingerprint.py): the same records; their
+# params.pt, every model's parameters whole, is read where it is what version 5 keeps
+# (at most fingerprint.EXACT_MAX elements) and refused, naming it, where it is not.
+ALSO_READ = {3: {"ac": "none"}, 4: {}}
 STATUSES = ("ok", "skipped", "failed", "diverged")
 # Statuses whose cells ran their steps (steps.csv holds them): a diverged cell's loss
 # became NaN or inf, so its times are kept but never ranked, its parameters never compared.
@@ -411,8 +414,10 @@ SUMMARY_COLUMNS: dict[str, str] = {
     "params_bytes": "parameter bytes held by the fullest rank between steps",
     "grads_bytes": "gradient bytes held by the fullest rank between steps",
     "optimizer_bytes": "optimizer-state bytes held by the fullest rank between steps",
-    "max_abs_param_diff": "largest |parameter - single's| after the run, over repeats",
-    "rel_param_diff": "‖params - single's‖ / ‖single's - initial‖, max over repeats",
+    "max_abs_param_diff": "largest |parameter - single's| after the run, over repeats (over "
+    "a sample of 2^20 where the model has more than 2^22 parameters: fingerprint.py)",
+    "rel_param_diff": "‖params - single's‖ / ‖single's - initial‖, max over repeats (from "
+    "count sketches, within 1.4%, where the model has more than 2^22 parameters)",
     "equivalence_tol": "rel_param_diff allowed: 25 x single's reversed-order distance",
     "equivalent": "True: same maths as single; False: differs; empty: not comparable",
     "likely_cause": "where a cell differs: the model's layers that change under this split",
