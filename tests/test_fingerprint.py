@@ -69,6 +69,7 @@ def test_a_sketch_is_linear_and_the_same_on_every_cell():
     a, b = weights(0), weights(1)
     sa, sb = fingerprint.sketch(a), fingerprint.sketch(b)
     assert torch.equal(fingerprint.sketch(dict(reversed(a.items())))["sketch"], sa["sketch"])
+    assert torch.equal(fingerprint.sketch(a, torch.device("cpu"))["sketch"], sa["sketch"])
     diff = fingerprint.sketch({k: a[k].double() - b[k].double() for k in a})["sketch"]
     assert torch.allclose(sa["sketch"] - sb["sketch"], diff, rtol=0, atol=1e-12)
     # the sample: the same places in every cell, each tensor in proportion to its size

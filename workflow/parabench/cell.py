@@ -447,7 +447,7 @@ def _run(spec: RunSpec, ctx: runtime.Context, out: Path, common: dict, t_start: 
         rows,
         # what the equivalence check needs of the whole parameters, computed here, the
         # one place they exist: themselves for a small model, else their sketch
-        fingerprint.encode(state),
+        fingerprint.encode(state, ctx.device),
         diverged=divergence(step_losses(rows, per_rank), spec),
         **{
             **spec.record_fields(),
