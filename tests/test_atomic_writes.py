@@ -15,7 +15,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "workflow" / "parabench"
 
 # (module, function): why its write is not a results file written in place
 ALLOWED = {
-    ("records.py", "atomic_write_bytes"): "the one writer: a temporary file, then os.replace",
+    ("records.py", "atomic_write_files"): "the one writer: temporary files, then os.replace",
     ("sweep.py", "_logged"): "a job's log, streamed while it runs",
     ("profiling.py", "save"): "the trace: gzip into a temporary file, then a rename",
     ("lock.py", "_write_whole"): "the lock's holder, into a file no reader names yet: a "

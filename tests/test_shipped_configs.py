@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import REPO, TINY_ENTRY, snakemake, tiny_config
-from parabench import doctor
+from conftest import REPO, TINY_ENTRY, snakemake, tiny_config, tiny_spec
+from parabench import doctor, models
 from parabench.config import cells, checked, load_config, problems, skipped, with_devices
 from parabench.launch import cell_argv
 from parabench.spec import ModelSpec, RunSpec
@@ -143,6 +143,28 @@ def test_doctor_passes_the_default_cpu_config():
     assert proc.returncode == 0, proc.stdout + proc.stderr
     checked = {x.split()[1].rstrip(":"): x.split()[0] for x in proc.stdout.splitlines()}
     assert set(checked) == {"torch", "disk"} and "FAIL" not in checked.values(), checked
+
+
+def test_the_gpu_sweep_writes_less_than_10_gib():
+    """config/gpu.yaml's 370 cells, its resmlp of 541M parameters among them: each large
+    model's cell keeps a sketch of its parameters (fingerprint.py), not 2.2 GB of them."""
+    need, unknown = doctor._results_bytes(load_config(REPO / "config/gpu.yaml"))
+    assert unknown == [] and need < 10 * 2**30, f"{need / 2**30:.1f} GiB"
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [tiny_spec("fsdp", 2), tiny_spec("pipeline", 2, microbatches=4)],
+    ids=["fsdp-n2", "pipeline-n2"],
+)
+def test_a_cell_writes_no_more_than_the_doctor_counts_for_it(cells, spec):
+    """Its records, parameters and traces (the CPU's; docs/results.md, "Disk", says how
+    CUDA's are counted) against doctor.cell_bytes."""
+    meta, proc, out = cells(spec)
+    assert meta["status"] == "ok", f"{meta['reason']}\n{proc.stderr[-2000:]}"
+    wrote = sum(f.stat().st_size for f in out.iterdir())
+    facts = models.facts(spec.model)
+    assert wrote <= doctor.cell_bytes(spec, facts.n_params, facts.n_blocks)
 
 
 def test_doctor_names_a_missing_compiler_when_compile_is_on(tmp_path):

@@ -28,9 +28,17 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
-import torch
 
-from parabench import anatomy, collectives, crosscheck, equivalence, records, scaling, stats
+from parabench import (
+    anatomy,
+    collectives,
+    crosscheck,
+    equivalence,
+    fingerprint,
+    records,
+    scaling,
+    stats,
+)
 from parabench.catalog import REFERENCE, record
 from parabench.loop import plan, sessions
 from parabench.records import CELL_KEYS, SUMMARY_COLUMNS, SUMMARY_KEYS, VARIANT_KEYS
@@ -265,36 +273,39 @@ def likely_cause(notes: dict, strategy: str) -> str:
 def _param_diffs(cells: pd.DataFrame) -> pd.DataFrame:
     """Each ok cell's parameters against single's of the same model, variant and repeat,
     where both ran the same global batches (strong scaling) for the same steps: the
-    largest difference, the relative one, its tolerance and the verdict."""
+    largest difference, the relative one, its tolerance and the verdict.
+
+    What each cell kept of its parameters (fingerprint.py: a small model's whole, a
+    large one's sketch) is read one pair at a time: single's once per (variant,
+    repeat), each cell's then released, so the merge holds about two cells' files
+    whatever the number of cells (a GPU sweep has hundreds)."""
     cols = ["max_abs_param_diff", "rel_param_diff", "equivalence_tol", "equivalent", "likely_cause"]
     out = pd.DataFrame({c: pd.Series(np.nan, index=cells.index, dtype=object) for c in cols})
     ok = cells[cells["status"] == "ok"]
     refs = ok[(ok["strategy"] == REFERENCE) & (ok["ac"] == "none")]
     refs = refs.set_index([*VARIANT_KEYS, "repeat"])
-    cache: dict[str, dict] = {}
-
-    def load(d: str) -> dict:
-        if d not in cache:
-            cache[d] = torch.load(Path(d) / "params.pt", map_location="cpu", weights_only=True)
-        return cache[d]
-
-    for i, c in ok.iterrows():
-        key = tuple(c[k] for k in (*VARIANT_KEYS, "repeat"))
-        if key not in refs.index or c["scaling"] != "strong":
+    for key, group in ok.groupby([*VARIANT_KEYS, "repeat"], sort=False):
+        if key not in refs.index:
             continue
         ref = refs.loc[key]
-        if ref["steps"] != c["steps"]:
+        mine = group[(group["scaling"] == "strong") & (group["steps"] == ref["steps"])]
+        if mine.empty:
             continue
-        a, b = load(c["dir"]), load(ref["dir"])
-        if a.keys() != b.keys():
-            raise records.ResultsError(
-                f"{c['dir']}/params.pt: parameter names differ from single's"
-            )
-        rel = equivalence.l2_diff(a, b) / ref["param_travel"] if ref["param_travel"] else 0.0
-        tol = equivalence.tolerance(ref["reorder_rel_diff"], c["strategy"], c["devices"])
-        same = bool(rel <= tol)
-        cause = "" if same else likely_cause(c["notes"], c["strategy"])
-        out.loc[i, cols] = [equivalence.max_abs_diff(a, b), rel, tol, same, cause]
+        b = fingerprint.load(Path(ref["dir"]) / "params.pt")
+        for i, c in mine.iterrows():
+            path = Path(c["dir"]) / "params.pt"
+            a = b if c["dir"] == ref["dir"] else fingerprint.load(path)
+            try:
+                max_abs, l2 = fingerprint.difference(a, b)
+            except ValueError as e:
+                raise records.ResultsError(f"{path}: {e} from single's") from e
+            del a  # the next cell's in its place, not beside it
+            rel = l2 / ref["param_travel"] if ref["param_travel"] else 0.0
+            tol = equivalence.tolerance(ref["reorder_rel_diff"], c["strategy"], c["devices"])
+            same = bool(rel <= tol)
+            cause = "" if same else likely_cause(c["notes"], c["strategy"])
+            out.loc[i, cols] = [max_abs, rel, tol, same, cause]
+        del b
     for c in cols[:3]:
         out[c] = out[c].astype(float)
     return out
@@ -550,8 +561,9 @@ def aggregate(
     ranks = pd.read_csv(ranks_csv) if ranks_csv else None
     summary = summarize(cells, steps, curves, ranks)
     cells = cells.drop(columns=list(_IN_MEMORY))
-    outputs = [(steps, steps_out), (cells, cells_out), (summary, summary_out)]
+    outputs = {Path(steps_out): steps, Path(cells_out): cells, Path(summary_out): summary}
     if collectives_out is not None:
-        outputs.append((curves, collectives_out))
-    for df, path in outputs:
-        records.atomic_write_bytes(Path(path), df.to_csv(index=False).encode())
+        outputs[Path(collectives_out)] = curves
+    # Together: all written before any replaces its old table (records.atomic_write_files
+    # says what a reader can still see).
+    records.atomic_write_files({p: df.to_csv(index=False).encode() for p, df in outputs.items()})

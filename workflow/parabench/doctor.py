@@ -34,14 +34,31 @@ from pathlib import Path
 
 import yaml
 
-from parabench import checks, models
+from parabench import checks, fingerprint, models
 from parabench.config import cells, slurm_jobs
 from parabench.envinfo import nvidia_smi_gpus, runs_on_cuda, torch_build
+from parabench.models.facts import UNKNOWN_BLOCKS
+from parabench.spec import RunSpec
 
 OK, WARN, FAIL, LATER = "ok", "warn", "FAIL", "later"
-# What one cell leaves on disk besides its parameters (steps.csv, meta.json, one trace
-# per rank, its log): a few MB on the default run; a generous bound.
-CELL_BYTES = 20 * 2**20
+
+# What one cell leaves on disk (_results_bytes), from 48 cells of mlp and gpt (2 and 4
+# blocks) run on this CPU at 1, 2 and 4 ranks with 5 profiled steps (docs/results.md,
+# "Disk"). Its records: meta.json (8-90 KB: per rank, per profiled step, its regions),
+# its log (3 KB), steps.csv (125 bytes a step); the fixed part bounded at 256 KiB.
+RECORD_BYTES = 256 * 2**10
+STEP_BYTES = 160
+# Its traces, one per rank: one step recorded in full (every op) and each profiled step
+# lightly. Both grow with the blocks a step runs, over all ranks and micro-batches
+# (_block_passes). In full, a gpt block (the largest measured) took 15 KB a pass (gzip);
+# on CUDA each op adds its kernel, its launch and the flow between them: 2.9 events an
+# op in Holistic Trace Analysis's full CUDA trace (tests/data of HTA, ns_resolution_trace,
+# 16.8 bytes each) against 1.4 here (23 bytes each), x1.5: 23 KB, bounded at 32 KiB.
+BLOCK_PASS_BYTES = 32 * 2**10
+# A profiled step, as a share of the full one: on CPU its regions in meta.json and its
+# few ranges (4% measured); on CUDA also every kernel, launch and flow, 60% of a full
+# step's events in that trace.
+PROFILED_SHARE = {"cpu": 0.05, "cuda": 0.65}
 
 
 @dataclass(frozen=True)
@@ -100,17 +117,41 @@ def check_compiler(config: dict) -> Check | None:
     )
 
 
+def _block_passes(spec: RunSpec, blocks: int) -> int:
+    """Blocks run in one step, summed over the cell's ranks (a one-process strategy's
+    devices: DataParallel's replicas): what its traces and regions grow with. A
+    pipeline's stage runs its blocks once per micro-batch, grad_accum every block once
+    per micro-batch."""
+    options = dict(spec.options)
+    micro = options.get("microbatches" if spec.record.pipelined else "accum_steps", 1)
+    return spec.devices // spec.stages * blocks * micro
+
+
+def cell_bytes(spec: RunSpec, n_params: int | None, blocks: int | None) -> int:
+    """What one cell that runs leaves on disk: its records, its parameters as params.pt
+    keeps them (fingerprint.py; an unknown size at its largest) and its traces (none
+    counted where its blocks are unknown)."""
+    params = fingerprint.stored_bytes(n_params or fingerprint.EXACT_MAX)
+    records = RECORD_BYTES + STEP_BYTES * (spec.steps + spec.profile_steps)
+    if not blocks:
+        return records + params
+    share = PROFILED_SHARE["cpu" if spec.device == "cpu" else "cuda"]
+    traces = BLOCK_PASS_BYTES * _block_passes(spec, blocks) * (1 + share * spec.profile_steps)
+    return records + params + int(traces)
+
+
 def _results_bytes(config: dict) -> tuple[int, list[str]]:
-    """What a sweep writes: each cell's parameters (params.pt, fp32) and records, from
-    the models' facts (torch-free); and the models whose size planning does not know."""
+    """What a sweep writes (cell_bytes, from the models' facts: torch-free), and the
+    models whose blocks planning does not know."""
     total, unknown = 0, []
     for c in cells(config):
         if checks.static_skip_reason(c.spec):  # recorded as skipped: a few KB
             continue
-        n = models.facts(c.spec.model).n_params
-        if n is None and c.spec.model_name not in unknown:
+        found = models.facts(c.spec.model)
+        blocks = found.n_blocks if 0 < found.n_blocks < UNKNOWN_BLOCKS else None
+        if blocks is None and c.spec.model_name not in unknown:
             unknown.append(c.spec.model_name)
-        total += 4 * (n or 0) + CELL_BYTES
+        total += cell_bytes(c.spec, found.n_params, blocks)
     return total, unknown
 
 
@@ -122,10 +163,10 @@ def check_disk(config: dict, workdir: Path) -> Check:
     gib = 2**30
     detail = f"{free / gib:.1f} GiB free under {probe}; the sweep writes up to {need / gib:.1f} GiB"
     if unknown:
-        detail += f" besides the parameters of {', '.join(unknown)} (a copy per cell)"
+        detail += f" besides the traces of {', '.join(unknown)} (blocks found in the cell)"
     # An estimate, at its largest (a cell that fails early writes little): the run is
-    # refused only where not even the records fit, warned where the parameters may not.
-    if free < len(cells(config)) * CELL_BYTES:
+    # refused only where not even the records fit, warned where the rest may not.
+    if free < len(cells(config)) * RECORD_BYTES:
         return Check("disk", FAIL, detail + ": not even the records fit")
     if free < need:
         return Check("disk", WARN, detail + ": free space or fewer repeats/models")

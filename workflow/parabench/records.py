@@ -14,13 +14,17 @@ import json
 import os
 import tempfile
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 # Version 3, before activation checkpointing joined a cell's key: read as `ac: none`
 # (what those cells ran), so a finished result survives the upgrade; its settings hash
-# is unchanged too (RunSpec leaves `ac` out of it when none).
-ALSO_READ = {3: {"ac": "none"}}
+# is unchanged too (RunSpec leaves `ac` out of it when none). Version 4, before a large
+# model's params.pt became its fingerprint (fingerprint.py): the same records; their
+# params.pt, every model's parameters whole, is read where it is what version 5 keeps
+# (at most fingerprint.EXACT_MAX elements) and refused, naming it, where it is not.
+ALSO_READ = {3: {"ac": "none"}, 4: {}}
 STATUSES = ("ok", "skipped", "failed", "diverged")
 # Statuses whose cells ran their steps (steps.csv holds them): a diverged cell's loss
 # became NaN or inf, so its times are kept but never ranked, its parameters never compared.
@@ -242,17 +246,35 @@ class ResultsError(ValueError):
 def atomic_write_bytes(path: Path, data: bytes) -> None:
     """Write to a temporary name in the same directory, then rename: a reader (or a
     killed run) sees the old file or the whole new one, never a half-written one."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    atomic_write_files({path: data})
+
+
+def atomic_write_files(files: Mapping[Path, bytes]) -> None:
+    """Write each file to a temporary name in its directory, all of them, and only
+    then rename each over its own: a failure while writing (a full disk, a kill)
+    leaves every old file as it was. The renames are one system call each, so a reader
+    may still see the old files and the new ones mixed for the microseconds between
+    two of them, and a crash in those microseconds leaves the mix; never a
+    half-written file."""
+    staged: list[tuple[str, Path]] = []
     try:
-        os.fchmod(fd, 0o666 & ~_UMASK)  # mkstemp's 0600 would keep a shared report private
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        for path, data in files.items():
+            path = Path(path)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+            staged.append((tmp, path))
+            os.fchmod(fd, 0o666 & ~_UMASK)  # mkstemp's 0600 would keep a shared report private
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+        while staged:  # each renamed is no longer a temporary to remove
+            tmp, path = staged[0]
+            os.replace(tmp, path)
+            staged.pop(0)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        for tmp, _ in staged:
+            Path(tmp).unlink(missing_ok=True)
         raise
 
 
@@ -421,8 +443,10 @@ SUMMARY_COLUMNS: dict[str, str] = {
     "params_bytes": "parameter bytes held by the fullest rank between steps",
     "grads_bytes": "gradient bytes held by the fullest rank between steps",
     "optimizer_bytes": "optimizer-state bytes held by the fullest rank between steps",
-    "max_abs_param_diff": "largest |parameter - single's| after the run, over repeats",
-    "rel_param_diff": "‖params - single's‖ / ‖single's - initial‖, max over repeats",
+    "max_abs_param_diff": "largest |parameter - single's| after the run, over repeats (over "
+    "a sample of 2^20 where the model has more than 2^22 parameters: fingerprint.py)",
+    "rel_param_diff": "‖params - single's‖ / ‖single's - initial‖, max over repeats (from "
+    "count sketches, within 1.4%, where the model has more than 2^22 parameters)",
     "equivalence_tol": "rel_param_diff allowed: 25 x single's reversed-order distance",
     "equivalent": "True: same maths as single; False: differs; empty: not comparable",
     "likely_cause": "where a cell differs: the model's layers that change under this split",

@@ -59,7 +59,7 @@ from parabench.models.base import (
     quiet_fake,
     running,
 )
-from parabench.models.facts import ModelFacts, TPSplit
+from parabench.models.facts import UNKNOWN_BLOCKS, ModelFacts, TPSplit
 
 if TYPE_CHECKING:
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -423,11 +423,6 @@ def _facts(model: Model, cut_skip: str | None = None) -> ModelFacts:
         cut_skip=cut_skip,
         n_params=sum(p.numel() for p in model.module.parameters()),
     )
-
-
-# Blocks of a model planning could not build: no stage cell is skipped for having
-# too few (checks.shape_skip_reason); the rank cuts the real model, or says why not.
-UNKNOWN_BLOCKS = sys.maxsize
 
 
 def _facts_without_values(spec: ModelSpec) -> ModelFacts:

@@ -11,6 +11,7 @@ builds.
 from __future__ import annotations
 
 import itertools
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -46,6 +47,11 @@ class TPSplit:
             f"{self.key}: tensor parallel splits {self.what} {shown} over {devices} ranks, "
             f"and {bad[0] if len(bad) == 1 else bad} do not divide by {devices}"
         )
+
+
+# Blocks of a model planning could not build: no stage cell is skipped for having
+# too few (checks.shape_skip_reason); the rank cuts the real model, or says why not.
+UNKNOWN_BLOCKS = sys.maxsize
 
 
 @dataclass(frozen=True)

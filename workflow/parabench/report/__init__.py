@@ -19,7 +19,7 @@ import jinja2
 import numpy as np
 import yaml
 
-from parabench import equivalence, scaling
+from parabench import equivalence, fingerprint, scaling
 from parabench.catalog import CATALOG, LABELS, STRATEGIES
 from parabench.fabric import PROFILES
 from parabench.published import torchtitan_check
@@ -74,6 +74,9 @@ def build_context(r: Results, config: dict) -> dict:
         "not_comparable": rows(s[s["status"] == "diverged"]),
         "tolerance_factor": equivalence.TOLERANCE_FACTOR,
         "tolerance_floor": equivalence.FLOOR,
+        "kept_whole": fingerprint.EXACT_MAX,
+        "sampled": fingerprint.SAMPLE,
+        "sketch_error": fingerprint.SKETCH_ERROR,
         "narratives": {name: CATALOG[name].narrative for name in per_strategy},
         "microbatches": config.get("pipeline", {}).get("microbatches"),
         "problems": rows(r.cells[r.cells["status"] != "ok"]),
