@@ -28,6 +28,7 @@ from __future__ import annotations
 import ast
 import importlib.util
 import os
+import re
 import shutil
 import subprocess
 from dataclasses import dataclass
@@ -42,6 +43,9 @@ OK, WARN, FAIL, LATER = "ok", "warn", "FAIL", "later"
 # What one cell leaves on disk besides its parameters (steps.csv, meta.json, one trace
 # per rank, its log): a few MB on the default run; a generous bound.
 CELL_BYTES = 20 * 2**20
+# The oldest torch release the strategies' tests run on (`make test-torch-min`); pyproject's
+# `torch>=` bound and the Makefile's TORCH_MIN pin name the same (a test holds them together).
+TORCH_MIN = (2, 10)
 
 
 @dataclass(frozen=True)
@@ -96,7 +100,23 @@ def check_torch(config: dict) -> Check:
             f"torch {version} is a CPU-only build, and device is cuda: install your CUDA "
             "build of torch into the venv first (README, GPU users: make run TORCH=)",
         )
-    return Check("torch", OK, f"torch {version}, " + (f"CUDA {cuda}" if cuda else "CPU build"))
+    build = f"torch {version}, " + (f"CUDA {cuda}" if cuda else "CPU build")
+    if (release := _release(version)) is not None and release < TORCH_MIN:
+        oldest = ".".join(map(str, TORCH_MIN))
+        return Check(
+            "torch",
+            WARN,
+            f"{build}: older than {oldest}, the oldest torch parabench is tested with; its "
+            f"cells may fail. Install torch>={oldest} (README, GPU users)",
+        )
+    return Check("torch", OK, build)
+
+
+def _release(version: str) -> tuple[int, int] | None:
+    """(major, minor) of a torch version: '2.13.0+cpu', or an image's own build of a
+    release ('2.10.0a0+5228986c39.nv25.06' is 2.10)."""
+    m = re.match(r"(\d+)\.(\d+)", version)
+    return (int(m[1]), int(m[2])) if m else None
 
 
 def check_compiler(config: dict) -> Check | None:
