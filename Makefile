@@ -30,10 +30,11 @@ HF_STAMP := $(VENV)/.parabench-hf-installed
 GPU_PYTHON ?= $(if $(wildcard $(BIN)/python),$(BIN)/python,python3)
 
 # The oldest torch we support: pyproject's `torch>=` and doctor.TORCH_MIN name its
-# release (a test holds the three together). PyPI has it only as a CUDA build (~1 GB,
-# with ~3 GB of nvidia-* libraries), which runs on the CPU; its own venv, so .venv keeps
-# TORCH. The tests that run the strategies and layouts through torch's distributed
-# APIs, where releases differ (pipelining's checks, DTensor, FSDP2), not the whole suite.
+# release (a test holds the three together; README, GPU users, says why not older).
+# PyPI has it only as a CUDA build (7.5 GB installed with its nvidia-* libraries), which
+# runs on the CPU; in a venv of its own, so .venv keeps TORCH. The tests that run the
+# strategies and layouts through torch's distributed APIs, where releases differ
+# (pipelining, DTensor, FSDP2), not the whole suite: make test runs that on TORCH.
 TORCH_MIN      ?= torch==2.10.0
 MIN_VENV       ?= .venv-torch-min
 MIN_STAMP      := $(MIN_VENV)/.parabench-installed
