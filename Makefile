@@ -1,6 +1,8 @@
 # The two commands of the README. Each sets up what it needs in .venv first.
 #   make run     the default pipeline (config/config.yaml: a small CPU run)
 #   make test    lint + the test suite
+# And CI's third: make test-torch-min, the tests of the strategies on the oldest torch
+# we support, in a venv of its own.
 # GPU users: install your CUDA build of torch into .venv first and run with TORCH=
 # (empty), e.g.  python3 -m venv .venv && .venv/bin/pip install torch && make run TORCH=
 VENV   ?= .venv
@@ -27,12 +29,31 @@ HF_STAMP := $(VENV)/.parabench-hf-installed
 # no Snakemake).
 GPU_PYTHON ?= $(if $(wildcard $(BIN)/python),$(BIN)/python,python3)
 
-.PHONY: run test lint bench gpu-check clean
+# The oldest torch we support: pyproject's `torch>=` and doctor.TORCH_MIN name its
+# release (a test holds the three together; README, GPU users, says why not older).
+# PyPI has it only as a CUDA build (7.5 GB installed with its nvidia-* libraries), which
+# runs on the CPU; in a venv of its own, so .venv keeps TORCH. The tests that run the
+# strategies and layouts through torch's distributed APIs, where releases differ
+# (pipelining, DTensor, FSDP2), not the whole suite: make test runs that on TORCH.
+TORCH_MIN      ?= torch==2.10.0
+MIN_VENV       ?= .venv-torch-min
+MIN_STAMP      := $(MIN_VENV)/.parabench-installed
+TORCH_MIN_TESTS := tests/test_equivalence.py tests/test_layouts.py tests/test_cuda_paths.py \
+	tests/test_cli_cells.py tests/test_models.py tests/test_hf.py
+
+.PHONY: run test test-torch-min lint bench gpu-check clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(if $(TORCH),$(BIN)/python -m pip install -q "$(TORCH)")
 	$(BIN)/python -m pip install -q -e ".[workflow,dev,hf]"
+	touch $@
+
+# TORCH_MIN named again: installing the package must not replace that torch.
+$(MIN_STAMP): pyproject.toml
+	test -x $(MIN_VENV)/bin/python || $(PYTHON) -m venv $(MIN_VENV)
+	$(MIN_VENV)/bin/python -m pip install -q "$(TORCH_MIN)"
+	$(MIN_VENV)/bin/python -m pip install -q -e ".[workflow,dev,hf]" "$(TORCH_MIN)"
 	touch $@
 
 $(HF_STAMP): $(STAMP)
@@ -53,6 +74,10 @@ lint: $(STAMP)
 test: $(STAMP) $(HF_STAMP) lint
 	tests/setup-system.sh
 	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python -m pytest -q -ra $(PYTEST_WORKERS)
+
+test-torch-min: $(MIN_STAMP)
+	PATH="$(abspath $(MIN_VENV)/bin):$$PATH" $(MIN_VENV)/bin/python -m pytest -q -ra \
+	  $(PYTEST_WORKERS) $(TORCH_MIN_TESTS)
 
 bench: $(STAMP)
 	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python benchmarks/single_overhead.py

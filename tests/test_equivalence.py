@@ -108,6 +108,17 @@ def test_same_parameters_as_single(reference, cells, strategy, devices, opts):
     assert diff <= TOL, f"{strategy} n={devices} {opts}: max |param - single| = {diff:.2e}"
 
 
+def test_a_pipeline_feeds_its_first_stage_the_layout_it_declared(reference, tmp_path, monkeypatch):
+    # gpt's inputs are a view (tokens[:, :-1]), whose rows are the micro-batches. Under
+    # TORCH_DISTRIBUTED_DEBUG=DETAIL torch 2.13 checks each stage input's strides against
+    # the stage's declared example, as torch 2.11 always does (issue #44, defect 9).
+    single, _ = reference(model=TINY_GPT)
+    monkeypatch.setenv("TORCH_DISTRIBUTED_DEBUG", "DETAIL")
+    meta, proc = run_cell(tiny_spec("pipeline", 2, model=TINY_GPT, lr=LR), tmp_path)
+    assert meta["status"] == "ok", f"{meta['reason']}\n{proc.stderr[-2000:]}"
+    assert max_abs_diff(load_params(tmp_path), single) <= TOL
+
+
 @pytest.mark.parametrize(
     "strategy, precision, optimizer", VARIANT_CASES, ids=["-".join(c) for c in VARIANT_CASES]
 )

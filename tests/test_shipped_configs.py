@@ -8,6 +8,7 @@ config itself is refused in a few lines naming the key. And the preflight
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -165,6 +166,51 @@ def test_a_cell_writes_no_more_than_the_doctor_counts_for_it(cells, spec):
     wrote = sum(f.stat().st_size for f in out.iterdir())
     facts = models.facts(spec.model)
     assert wrote <= doctor.cell_bytes(spec, facts.n_params, facts.n_blocks)
+
+
+def fake_torch(tmp_path: Path, version: str) -> dict:
+    """An environment whose torch is a CUDA build of `version` that cannot be imported:
+    its version.py is all the doctor reads on a planning host."""
+    pkg = tmp_path / "site" / "torch"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("raise ImportError('the doctor imported torch')\n")
+    (pkg / "version.py").write_text(f"__version__ = {version!r}\ncuda = '12.8'\n")
+    path = os.pathsep.join([str(pkg.parent), os.environ.get("PYTHONPATH", "")])
+    return {**os.environ, "PYTHONPATH": path}
+
+
+MAJOR, MINOR = doctor.TORCH_MIN
+
+
+@pytest.mark.parametrize(
+    "version, status",
+    [
+        (f"{MAJOR}.{MINOR - 1}.0+cu128", "warn"),
+        (f"{MAJOR}.{MINOR}.0a0+5228986c39.nv25.06", "ok"),  # an image's build of the release
+        ("2.13.0+cpu", "ok"),
+    ],
+)
+def test_doctor_says_when_torch_is_older_than_the_oldest_tested(tmp_path, version, status):
+    proc, _ = run_doctor("config/config.yaml", env=fake_torch(tmp_path, version))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    line = next(x for x in proc.stdout.splitlines() if "torch:" in x)
+    assert line.split()[0] == status and f"torch {version}, CUDA 12.8" in line, line
+    older = f"older than {MAJOR}.{MINOR}, the oldest torch parabench is tested with"
+    assert (older in line) == (status == "warn"), line
+
+
+def test_torch_releases_compare_as_numbers():
+    assert doctor._release("2.10.0a0+5228986c39.nv25.06") == (2, 10) > (2, 9)
+    assert doctor._release("2.13.0+cpu") == (2, 13)
+
+
+def test_the_oldest_torch_is_one_release_in_pyproject_the_makefile_and_the_doctor():
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11's
+    deps = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
+    oldest = ".".join(map(str, doctor.TORCH_MIN))
+    assert f"torch>={oldest}" in deps
+    pin = re.search(r"^TORCH_MIN\s*\?=\s*torch==(\S+)$", (REPO / "Makefile").read_text(), re.M)
+    assert pin and pin[1].startswith(f"{oldest}."), pin
 
 
 def test_doctor_names_a_missing_compiler_when_compile_is_on(tmp_path):

@@ -27,6 +27,7 @@ a login node answers the rest in milliseconds.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 from dataclasses import dataclass
@@ -59,6 +60,9 @@ BLOCK_PASS_BYTES = 32 * 2**10
 # few ranges (4% measured); on CUDA also every kernel, launch and flow, 60% of a full
 # step's events in that trace.
 PROFILED_SHARE = {"cpu": 0.05, "cuda": 0.65}
+# The oldest torch release the strategies' tests run on (`make test-torch-min`); pyproject's
+# `torch>=` bound and the Makefile's TORCH_MIN pin name the same (a test holds them together).
+TORCH_MIN = (2, 10)
 
 
 @dataclass(frozen=True)
@@ -96,7 +100,23 @@ def check_torch(config: dict) -> Check:
             f"torch {version} is a CPU-only build, and device is cuda: install your CUDA "
             "build of torch into the venv first (README, GPU users: make run TORCH=)",
         )
-    return Check("torch", OK, f"torch {version}, " + (f"CUDA {cuda}" if cuda else "CPU build"))
+    build = f"torch {version}, " + (f"CUDA {cuda}" if cuda else "CPU build")
+    if (release := _release(version)) is not None and release < TORCH_MIN:
+        oldest = ".".join(map(str, TORCH_MIN))
+        return Check(
+            "torch",
+            WARN,
+            f"{build}: older than {oldest}, the oldest torch parabench is tested with; its "
+            f"cells may fail. Install torch>={oldest} (README, GPU users)",
+        )
+    return Check("torch", OK, build)
+
+
+def _release(version: str) -> tuple[int, int] | None:
+    """(major, minor) of a torch version: '2.13.0+cpu', or an image's own build of a
+    release ('2.10.0a0+5228986c39.nv25.06' is 2.10)."""
+    m = re.match(r"(\d+)\.(\d+)", version)
+    return (int(m[1]), int(m[2])) if m else None
 
 
 def check_compiler(config: dict) -> Check | None:

@@ -119,7 +119,12 @@ class StageRun:
         """The schedule's forwards and backwards of one step (not the update): the last
         stage's micro-batch losses, none elsewhere."""
         losses: list[torch.Tensor] = []
-        args = (x,) if self.first else ()
+        # The first stage was told a contiguous input (the example is zeros), and its
+        # micro-batches are x's rows, so they have x's strides: a model's batch may be a
+        # view (gpt's inputs are tokens[:, :-1]). torch 2.11 checks every first-stage
+        # input's strides and refuses a view; 2.13 checks only under
+        # TORCH_DISTRIBUTED_DEBUG=DETAIL. contiguous() copies nothing when it already is.
+        args = (x.contiguous(),) if self.first else ()
         if not (self.first or self.cut.sequential):  # its own forward takes the input
             self.cut.fed(list(x.tensor_split(self.microbatches)))
         kwargs = {"target": y, "losses": losses} if self.last else {}
