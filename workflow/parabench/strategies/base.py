@@ -18,6 +18,7 @@ from typing import ClassVar
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from parabench.data import Shard
 from parabench.flops import block_flops
@@ -113,12 +114,11 @@ class Strategy(ABC):
         (None on other ranks). Collective: every rank must call it."""
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t  # a DTensor's own shard
-
-
 def _nbytes(tensors: list[torch.Tensor]) -> int:
-    return sum(_local(t).numel() * _local(t).element_size() for t in tensors)
+    # A DTensor's own shard, read where it is held: to_local() would run an op per
+    # tensor (hundreds under a rehearsal's fake tensors) to make a view of it.
+    local = [t._local_tensor if isinstance(t, DTensor) else t for t in tensors]
+    return sum(t.numel() * t.element_size() for t in local)
 
 
 def cpu_params(module: nn.Module) -> dict[str, torch.Tensor]:
@@ -175,8 +175,6 @@ def param_groups(params) -> list[dict]:
     two kinds ("aten._foreach_mul_.Scalar got mixed torch.Tensor and DTensor"): a model
     whose tensor-parallel plan leaves some layers whole holds both. On the CPU the
     default loops over the parameters one by one, and the groups change nothing."""
-    from torch.distributed.tensor import DTensor
-
     kinds: dict[object, list] = {}
     for p in params:
         kinds.setdefault(p.device_mesh if isinstance(p, DTensor) else None, []).append(p)
