@@ -11,11 +11,12 @@ from __future__ import annotations
 import html
 import json
 import re
+import subprocess
 
 import pandas as pd
 import pytest
 
-from conftest import snakemake
+from conftest import launch_argv, snakemake, tiny_spec
 
 pytestmark = pytest.mark.slow
 
@@ -32,11 +33,31 @@ BASE = {
 }
 NO_GPU = "torch sees no CUDA device"
 
+# A user's model with a bug that shows only in its data, which the preflight does not
+# draw: its labels count from 1, so the last class is past the end.
+BROKEN_FACTORY = """
+import torch
+from torch import nn
+
+
+def build(width=16, classes=4):
+    blocks = nn.Sequential(nn.Linear(width, width), nn.Tanh(), nn.Linear(width, classes))
+
+    def batch(n, generator):
+        x = torch.randn(n, width, generator=generator)
+        return x, torch.randint(1, classes + 1, (n,), generator=generator)
+
+    return {"blocks": blocks, "loss": nn.CrossEntropyLoss(), "batch": batch}
+"""
+OUT_OF_BOUNDS = "Target 4 is out of bounds"
+
 MIXES = {
-    # A job that forgot its GPUs: every cell fails, torchrun's too. The preflight would
-    # refuse this run here (tests/test_shipped_configs.py); on a cluster it cannot see
-    # the node, so the cells must say it themselves: run without Snakemake's hooks.
-    "all_failed": {"device": "cuda", "strategies": ["single", "ddp"], "devices": [1, 2]},
+    # Every cell fails, torchrun's too, each saying why.
+    "all_failed": {
+        "models": {"tiny": {"arch": "custom", "factory": "broken:build", "batch_size": 64}},
+        "strategies": ["single", "ddp"],
+        "devices": [1, 2],
+    },
     # DataParallel finding no GPU gives no honest number: skipped, with the reason. On
     # device auto the cell finds out (device cpu is refused up front: nothing can run).
     "all_skipped": {"device": "auto", "strategies": ["dp"], "devices": [2]},
@@ -62,7 +83,9 @@ def outcome_text(report: str) -> str:
 
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory):
-    return tmp_path_factory.mktemp("outcomes")
+    work = tmp_path_factory.mktemp("outcomes")
+    (work / "broken.py").write_text(BROKEN_FACTORY)
+    return work
 
 
 @pytest.fixture(scope="module")
@@ -71,8 +94,7 @@ def sweeps(workdir):
     out = {}
     for name, over in MIXES.items():
         config = {**BASE, **over, "results": f"results/{name}"}
-        hooks = ["--no-hooks"] if name == "all_failed" else []
-        proc = snakemake(workdir, "--cores", "2", *hooks, config=config)
+        proc = snakemake(workdir, "--cores", "2", config=config)
         assert proc.returncode == 0, f"{name}: {proc.stderr[-3000:]}"
         res = workdir / config["results"]
         out[name] = {
@@ -87,18 +109,28 @@ def test_every_cell_failed_says_so_and_why(sweeps):
     s = sweeps["all_failed"]
     assert (s["summary"]["status"] == "failed").all()
     words = outcome_text(s["report"])
-    assert "Every cell failed (3 of 3)" in words and NO_GPU in words, words
+    assert "Every cell failed (3 of 3)" in words and OUT_OF_BOUNDS in words, words
+    for strategy, devices in [("single", 1), ("ddp", 2)]:
+        cell = s["results"] / f"runs/tiny/fp32-sgd/{strategy}/n{devices}/r0"
+        meta = json.loads((cell / "meta.json").read_text())
+        assert OUT_OF_BOUNDS in meta["reason"] and "Traceback" not in meta["reason"], meta
+        assert "Traceback" in meta["traceback"], "the full traceback stays in the record"
 
 
 @pytest.mark.parametrize("strategy, devices", [("single", 1), ("ddp", 2)])
-def test_cuda_without_a_gpu_names_the_missing_gpu(sweeps, strategy, devices):
-    """One-process and torchrun cells alike: the reason is the cause, not a traceback."""
-    cell = sweeps["all_failed"]["results"] / f"runs/tiny/fp32-sgd/{strategy}/n{devices}/r0"
-    meta = json.loads((cell / "meta.json").read_text())
+def test_cuda_without_a_gpu_names_the_missing_gpu(strategy, devices, tmp_path):
+    """A Slurm job that forgot its GPUs runs the cell's own command on a node the
+    preflight could not see (here the preflight refuses a cuda run: tests/
+    test_shipped_configs.py). One-process and torchrun cells alike say the cause, not a
+    traceback."""
+    spec = tiny_spec(strategy, devices, device="cuda")
+    proc = subprocess.run(launch_argv(spec, tmp_path), capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    meta = json.loads((tmp_path / "meta.json").read_text())
     assert meta["status"] == "failed"
     assert NO_GPU in meta["reason"] and "Traceback" not in meta["reason"], meta["reason"]
     assert meta["reason"].startswith("LaunchError" if devices == 1 else "rank ")
-    errors = sorted(p.name for p in cell.glob("error-rank*.json"))
+    errors = sorted(p.name for p in tmp_path.glob("error-rank*.json"))
     assert errors == [f"error-rank{r}.json" for r in range(devices)]
     assert "Traceback" in meta["traceback"], "the full traceback stays in the record"
 
