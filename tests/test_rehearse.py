@@ -228,7 +228,11 @@ def test_every_shipped_config_rehearses(tmp_path, path):
         if r["status"] == "failed"
     ]
     assert not failed, "\n".join(failed)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    # A peak past the GPU is a finding, said and refused (exit 1), not a crash. Only
+    # advise's config has such cells: its Llama models are for advise, not for one GPU.
+    too_big = [r for r in rows if str(r["fits"]) == "False"]
+    assert bool(too_big) == (path == "config/advise.yaml"), too_big
+    assert proc.returncode == (1 if too_big else 0), proc.stdout[-3000:] + proc.stderr[-3000:]
     outcomes = {r["status"] for r in rows}
     assert outcomes <= {"ok", "skipped", "not rehearsed"} and "ok" in outcomes
     # what fake tensors cannot run is said, never passed as rehearsed
@@ -301,5 +305,5 @@ def test_ranks_on_other_devices_one_after_another_in_one_process(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads(proc.stdout.splitlines()[-1])
-    assert ["fsdp_tp", "3", "ok", ""] in rows, rows
+    assert ["fsdp_tp", 3, "ok", ""] in rows, rows
     assert all(status == "ok" for _, _, status, _ in rows), rows
