@@ -23,7 +23,7 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import REPO, cell_argv, tiny_spec
+from conftest import REPO, cell_argv, tiny_config, tiny_spec
 from parabench.models import build
 from parabench.runtime import Context
 from parabench.strategies import get
@@ -462,3 +462,17 @@ def test_this_machine_knows_a_gpu_by_its_whole_name(cuda_host, name, peak):
     # each figure cited, and the dense rate where the datasheet states the sparse one
     assert "dense BF16" in sheet.source or "with sparsity" in sheet.source
     assert sheet.source in got.source
+
+
+def test_auto_on_a_cuda_build_gets_the_doctors_gpu_checks(monkeypatch, tmp_path):
+    # device: auto on a host whose torch is a CUDA build means the GPUs: the doctor
+    # checks them (here it finds none, which a CUDA build with no GPU is), as for cuda.
+    from parabench import doctor, envinfo
+    from parabench.config import checked
+
+    monkeypatch.setattr(envinfo, "_build", lambda: ("2.13.0", "12.8"), raising=False)
+    monkeypatch.setattr(doctor, "torch_build", lambda: ("2.13.0", "12.8"))
+    config = checked({**tiny_config(), "device": "auto", "rehearse": {"enabled": False}})
+    found = {c.name: c for c in doctor.run_checks(config, tmp_path, gpus=True)}
+    assert "gpus" in found, sorted(found)
+    assert found["gpus"].status == doctor.FAIL and "0 visible" in found["gpus"].detail
