@@ -245,9 +245,10 @@ def test_dataparallel_replicas_compute_in_bf16_in_their_own_threads():
 
 # --- 4. A host with fewer GPUs than the cell's ranks there ----------------------------
 
-# One rank of a 2-rank ddp cell on CUDA, on a host where torch sees one GPU. This CPU
-# build stands in for CUDA's answers (one device, available), and init_process_group
-# answers as torch does on CUDA: a device_id without an index is refused ("Please use a
+# One rank of a 2-rank ddp cell on CUDA, on a host where torch sees one GPU. The script
+# stands in for CUDA's answers (one device, available) on this torch, a CPU build or a
+# CUDA build with no GPU (make test-torch-min), and init_process_group answers as
+# torch does on CUDA: a device_id without an index is refused ("Please use a
 # device_id with index"), a bound one gets a gloo group here (no NCCL in this build).
 PAST_SCRIPT = """
 import json, os, sys
@@ -262,6 +263,7 @@ torch.cuda.device_count = lambda: 1
 torch.cuda.set_device = lambda device: None
 torch.cuda.get_device_name = lambda *a: "stand-in"
 torch.cuda.nccl.version = lambda: (2, 21, 5)
+torch.backends.cudnn.version = lambda: None  # a CUDA build would open the driver
 real_init = dist.init_process_group
 
 def init(backend=None, *args, device_id=None, **kwargs):
