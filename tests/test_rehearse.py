@@ -203,6 +203,22 @@ def test_each_rank_is_set_against_its_gpus_memory_at_the_real_size(tmp_path):
     assert proc.returncode == 1  # refused: a rank that does not fit
 
 
+def test_a_peak_is_judged_only_on_a_torch_whose_peaks_the_tests_check():
+    from parabench import gpus
+    from parabench import rehearse as rehearsal
+
+    h100 = gpus.resolve("h100")
+    past, within = int(h100.memory_bytes), int(h100.memory_bytes) // 2
+    new = rehearsal.judge_fit(past, h100, release=(2, 13))
+    assert new["fits"] is False and "does not fit h100's" in new["reason"]
+    assert rehearsal.judge_fit(within, h100, release=(2, 13)) == {"fits": True, "reason": ""}
+    assert rehearsal.refused([{"status": "ok", **new}])
+    # an older torch: the peak said, nothing refused for it
+    old = rehearsal.judge_fit(past, h100, release=(2, 10))
+    assert old["fits"] == "" and "torch 2.10" in old["reason"] and "2.13" in old["reason"]
+    assert not rehearsal.refused([{"status": "ok", **old}])
+
+
 def test_the_stand_ins_answer_as_a_node_and_leave_torch_as_it_was():
     before = torch.cuda.is_available(), torch.cuda.device_count()
     with fakecuda.node(8, "h100", 80 * 2**30):

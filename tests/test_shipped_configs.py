@@ -20,6 +20,7 @@ import yaml
 from conftest import REPO, TINY_ENTRY, snakemake, tiny_config, tiny_spec
 from parabench import doctor, models
 from parabench.config import cells, checked, load_config, problems, skipped, with_devices
+from parabench.envinfo import torch_release
 from parabench.launch import cell_argv
 from parabench.spec import ModelSpec, RunSpec
 
@@ -200,8 +201,8 @@ def test_doctor_says_when_torch_is_older_than_the_oldest_tested(tmp_path, versio
 
 
 def test_torch_releases_compare_as_numbers():
-    assert doctor._release("2.10.0a0+5228986c39.nv25.06") == (2, 10) > (2, 9)
-    assert doctor._release("2.13.0+cpu") == (2, 13)
+    assert torch_release("2.10.0a0+5228986c39.nv25.06") == (2, 10) > (2, 9)
+    assert torch_release("2.13.0+cpu") == (2, 13)
 
 
 def test_the_oldest_torch_is_one_release_in_pyproject_the_makefile_and_the_doctor():

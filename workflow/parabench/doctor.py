@@ -27,7 +27,6 @@ a login node answers the rest in milliseconds.
 from __future__ import annotations
 
 import os
-import re
 import shutil
 import subprocess
 from dataclasses import dataclass
@@ -37,7 +36,7 @@ import yaml
 
 from parabench import checks, fingerprint, models
 from parabench.config import cells, slurm_jobs
-from parabench.envinfo import nvidia_smi_gpus, runs_on_cuda, torch_build
+from parabench.envinfo import nvidia_smi_gpus, runs_on_cuda, torch_build, torch_release
 from parabench.models.facts import UNKNOWN_BLOCKS
 from parabench.spec import RunSpec
 
@@ -101,7 +100,7 @@ def check_torch(config: dict) -> Check:
             "build of torch into the venv first (README, GPU users: make run TORCH=)",
         )
     build = f"torch {version}, " + (f"CUDA {cuda}" if cuda else "CPU build")
-    if (release := _release(version)) is not None and release < TORCH_MIN:
+    if (release := torch_release(version)) is not None and release < TORCH_MIN:
         oldest = ".".join(map(str, TORCH_MIN))
         return Check(
             "torch",
@@ -110,13 +109,6 @@ def check_torch(config: dict) -> Check:
             f"cells may fail. Install torch>={oldest} (README, GPU users)",
         )
     return Check("torch", OK, build)
-
-
-def _release(version: str) -> tuple[int, int] | None:
-    """(major, minor) of a torch version: '2.13.0+cpu', or an image's own build of a
-    release ('2.10.0a0+5228986c39.nv25.06' is 2.10)."""
-    m = re.match(r"(\d+)\.(\d+)", version)
-    return (int(m[1]), int(m[2])) if m else None
 
 
 def check_compiler(config: dict) -> Check | None:

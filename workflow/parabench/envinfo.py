@@ -204,6 +204,13 @@ def _build() -> tuple[str | None, str | None]:
     return torch_build()
 
 
+def torch_release(version: str) -> tuple[int, int] | None:
+    """(major, minor) of a torch version: '2.13.0+cpu', or an image's own build of a
+    release ('2.10.0a0+5228986c39.nv25.06' is 2.10)."""
+    m = re.match(r"(\d+)\.(\d+)", version)
+    return (int(m[1]), int(m[2])) if m else None
+
+
 def torch_build() -> tuple[str | None, str | None]:
     """(torch's version, its CUDA (or ROCm) version or None for a CPU build), read from
     the installed torch/version.py without importing torch (seconds on a login node)."""
