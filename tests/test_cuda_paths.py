@@ -472,8 +472,10 @@ def test_auto_on_a_cuda_build_gets_the_doctors_gpu_checks(monkeypatch, tmp_path)
     from parabench import doctor, envinfo
     from parabench.config import checked
 
-    monkeypatch.setattr(envinfo, "_build", lambda: ("2.13.0", "12.8"), raising=False)
+    monkeypatch.setattr(envinfo, "_build", lambda: ("2.13.0", "12.8"))
     monkeypatch.setattr(doctor, "torch_build", lambda: ("2.13.0", "12.8"))
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)  # on a GPU host too
+    monkeypatch.setenv("PYTORCH_NVML_BASED_CUDA_CHECK", "1")  # the checks set it: undone
     config = checked({**tiny_config(), "device": "auto", "rehearse": {"enabled": False}})
     found = {c.name: c for c in doctor.run_checks(config, tmp_path, gpus=True)}
     assert "gpus" in found, sorted(found)

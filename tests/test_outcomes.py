@@ -124,7 +124,7 @@ def test_cuda_without_a_gpu_names_the_missing_gpu(strategy, devices, tmp_path):
     test_shipped_configs.py). One-process and torchrun cells alike say the cause, not a
     traceback."""
     spec = tiny_spec(strategy, devices, device="cuda")
-    proc = subprocess.run(launch_argv(spec, tmp_path), capture_output=True, text=True)
+    proc = subprocess.run(launch_argv(spec, tmp_path), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     meta = json.loads((tmp_path / "meta.json").read_text())
     assert meta["status"] == "failed"

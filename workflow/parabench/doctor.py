@@ -397,8 +397,8 @@ def rehearses(config: dict) -> bool:
 def check_rehearsal(config: dict, workdir: Path, python: str | None = None) -> Check:
     """Every cell of the config at its real size on fake tensors of its device (rehearse
     .py), in a process of its own: FAIL where a cell fails there or a rank's peak does
-    not fit rehearse.gpu, unless rehearse.failing is run (then WARN: those cells run
-    and record their own failure)."""
+    not fit rehearse.gpu (judged on torch 2.13 and later: rehearse.judge_fit), unless
+    rehearse.failing is run (then WARN: those cells run and record their own failure)."""
     from parabench import rehearse
 
     settings = config["rehearse"]

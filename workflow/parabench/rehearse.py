@@ -28,7 +28,8 @@ strategy runs the most ranks for its model: `planned`):
 A rank is ok, failed (its exception), skipped (its strategy's own reason on such a
 node: more GPUs than it has), or not rehearsed (UNREHEARSABLE: a strategy whose own
 mechanism fake tensors cannot run). Its peak is set against the memory of the GPU named
-by rehearse.gpu, with the headroom plan and advise keep (gpus.fits). What no rank can
+by rehearse.gpu, with the headroom plan and advise keep (gpus.fits), on torch 2.13 and
+later (judge_fit). What no rank can
 rehearse (LIMITS) and what the rehearsal replaces because fake tensors hold no data
 (STAND_INS) are said.
 
@@ -462,33 +463,39 @@ def _job(job: tuple) -> tuple[int, dict]:
         except Exception as e:
             row.update(status=FAILED, reason=_root_cause(e))
     if "peak_memory_bytes" in row and device == "cuda":
-        row.update(judge_fit(row["peak_memory_bytes"], gpu, row["reason"]))
+        row.update(judge_fit(row["peak_memory_bytes"], gpu))
     row["seconds"] = round(time.perf_counter() - t0, 3)
     return i, row
 
 
-# The oldest torch whose peaks under fake tensors the tests hold (make test's pin): to
-# MemTracker as advise runs it, and to the sizes. On 2.10 FSDP over 8 of a 4.3B model
-# came out at 48 GiB against 2.13's under 20: an older torch's peak is said, not judged.
+# The oldest torch whose peaks under fake tensors the tests check, to MemTracker as advise
+# runs it and to the sizes: make test's pin (a test holds the two together). On 2.10,
+# FSDP over 8 of a 4.3B model came out at 48 GiB against 2.13's under 20: an older
+# torch's peak is said, not judged.
 PEAKS_CHECKED_FROM = (2, 13)
 
 
-def judge_fit(peak: int, gpu: GPU, reason: str = "", release: tuple | None = None) -> dict:
-    """A measured rank's `fits` and `reason` against `gpu` (gpus.fits): judged only on a
-    torch from PEAKS_CHECKED_FROM (`release`, default this one's); before it, `fits` is
-    empty, so nothing is refused for memory, and the reason says why."""
-    from parabench.envinfo import torch_build, torch_release
+def judge_fit(peak: int, gpu: GPU, release: tuple[int, int] | None = None) -> dict:
+    """A measured rank's `fits` and `reason` against `gpu` (gpus.fits), judged only on a
+    torch from PEAKS_CHECKED_FROM (`release`, default this one's). Before it, `fits` is
+    empty, so nothing is refused for memory, and the reason says the peak and why."""
+    import torch
+
+    from parabench.envinfo import torch_release
     from parabench.gpus import fits
 
-    release = release or torch_release(str(torch_build()[0]))
+    release = release or torch_release(torch.__version__)
     size = f"peak {peak / 2**30:.1f} GiB"
     if release is None or release < PEAKS_CHECKED_FROM:
+        this = f"torch {'.'.join(map(str, release))}" if release else "this torch"
         checked = ".".join(map(str, PEAKS_CHECKED_FROM))
-        torch = ".".join(map(str, release)) if release else "this torch"
-        note = f"{size} not set against {gpu.name}: torch {torch}'s fake tensors' peaks are "
-        return {"fits": "", "reason": reason or note + f"checked from {checked} only"}
+        return {
+            "fits": "",
+            "reason": f"{size} not set against {gpu.name}: {this}'s fake tensors' peaks "
+            f"are checked on torch {checked} and later only",
+        }
     if fits(peak, gpu.memory_bytes):
-        return {"fits": True, "reason": reason}
+        return {"fits": True, "reason": ""}
     limit = f"{gpu.name}'s {gpu.memory_bytes / 2**30:.1f} GiB"
     return {"fits": False, "reason": f"{size} does not fit {limit} with headroom"}
 
@@ -511,11 +518,20 @@ def refused(rows: list[dict]) -> list[dict]:
 
 
 def summary(rows: list[dict]) -> list[str]:
-    """The rehearsal in a few lines: counts by outcome, then each refused rank."""
+    """The rehearsal in a few lines: counts by outcome, the peaks not judged (an older
+    torch), then each refused rank."""
     counts: dict[str, int] = {}
     for row in rows:
         counts[row["status"]] = counts.get(row["status"], 0) + 1
     lines = [", ".join(f"{n} {status}" for status, n in sorted(counts.items()))]
+    # a GPU's rank measured on an older torch (judge_fit): said here, where the preflight
+    # shows it
+    measured = ("peak_memory_bytes", "device_memory_bytes")
+    unjudged = [
+        r for r in rows if all(r.get(k) not in (None, "") for k in measured) and r["fits"] == ""
+    ]
+    if unjudged:
+        lines.append(f"{len(unjudged)} peaks not judged: {unjudged[0]['reason']}")
     for row in refused(rows):
         where = f"{row['model']} {row['strategy']} x{row['devices']} rank {row['rank']}"
         lines.append(f"{where}: {row['reason']}")
