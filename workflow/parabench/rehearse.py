@@ -29,9 +29,8 @@ A rank is ok, failed (its exception), skipped (its strategy's own reason on such
 node: more GPUs than it has), or not rehearsed (UNREHEARSABLE: a strategy whose own
 mechanism fake tensors cannot run). Its peak is set against the memory of the GPU named
 by rehearse.gpu, with the headroom plan and advise keep (gpus.fits), on torch 2.13 and
-later (judge_fit). What no rank can
-rehearse (LIMITS) and what the rehearsal replaces because fake tensors hold no data
-(STAND_INS) are said.
+later (judge_fit). What no rank can rehearse (LIMITS) and what the rehearsal replaces
+because fake tensors hold no data (STAND_INS) are said.
 
 The rehearsal runs in a process of its own (`in_child`): on a CPU-only torch the fake
 CUDA device must be loaded before torch is (fakecuda.install).
