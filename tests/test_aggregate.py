@@ -25,9 +25,14 @@ FEW = [("single", 1), ("ddp", 2)]
 
 
 def summary_of(tmp_path, scaling):
-    metas = make_results(tmp_path, scaling=scaling)
+    return summary_of_metas(tmp_path, make_results(tmp_path, scaling=scaling)).set_index(
+        ["strategy", "devices"]
+    )
+
+
+def summary_of_metas(tmp_path, metas):
     aggregate(metas, tmp_path / "steps.csv", tmp_path / "summary.csv", tmp_path / "cells.csv")
-    return pd.read_csv(tmp_path / "summary.csv").set_index(["strategy", "devices"])
+    return pd.read_csv(tmp_path / "summary.csv")
 
 
 def test_strong_scaling_speedup_is_the_time_ratio(tmp_path):
@@ -167,3 +172,33 @@ def test_the_four_tables_are_replaced_together(tmp_path, monkeypatch):
     monkeypatch.setattr(os, "fsync", fsync)
     merge(metas)
     assert all(paths[t].read_bytes() != before[t] for t in ("steps", "cells", "summary"))
+
+
+def test_a_one_rank_benchmark_from_the_gpu_merges(tmp_path):
+    """The first GPU run (an H200, one GPU): its one-rank NCCL benchmark has no bus
+    bandwidth (`nan` in the CSV), and the merge died on that string. Its records, as
+    they came back, merge: bandwidths numeric, the one-rank bus bandwidth empty."""
+    bench = REPO / "tests" / "data" / "h200-collectives-n1" / "meta.json"
+    metas = make_results(tmp_path)
+    out = tmp_path / "collectives.csv"
+    aggregate(
+        metas, tmp_path / "steps.csv", tmp_path / "summary.csv", tmp_path / "cells.csv",
+        [bench], out,
+    )  # fmt: skip
+    curves = pd.read_csv(out)
+    assert len(curves) == 36 and set(curves["op"]) >= {"all_reduce"}
+    assert (curves["devices"] == 1).all() and curves["busbw_GBps"].isna().all()
+    assert (curves["algbw_GBps"] > 0).all() and curves["time_s"].dtype == float
+
+
+def test_records_copied_without_their_parameters_merge_uncompared(tmp_path):
+    """Records copied from a cluster without their params.pt (the GPU check's copy
+    leaves them out): the cells merge, not compared; a params.pt that is there but
+    unreadable is still refused (test_fingerprint)."""
+    metas = make_results(tmp_path, repeats=1)
+    for meta in metas:
+        (meta.parent / "params.pt").unlink(missing_ok=True)
+    s = summary_of_metas(tmp_path, metas)
+    ok = s[s["status"] == "ok"]
+    assert len(ok) >= 2 and ok["equivalent"].isna().all()
+    assert ok["rel_param_diff"].isna().all() and (ok["step_time_s"] > 0).all()

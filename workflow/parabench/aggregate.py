@@ -278,7 +278,9 @@ def _param_diffs(cells: pd.DataFrame) -> pd.DataFrame:
     What each cell kept of its parameters (fingerprint.py: a small model's whole, a
     large one's sketch) is read one pair at a time: single's once per (variant,
     repeat), each cell's then released, so the merge holds about two cells' files
-    whatever the number of cells (a GPU sweep has hundreds)."""
+    whatever the number of cells (a GPU sweep has hundreds). A params.pt that is absent
+    (records copied from a cluster without their parameters, as the GPU check's own copy
+    does) leaves that cell not compared; one that is present but unreadable is refused."""
     cols = ["max_abs_param_diff", "rel_param_diff", "equivalence_tol", "equivalent", "likely_cause"]
     out = pd.DataFrame({c: pd.Series(np.nan, index=cells.index, dtype=object) for c in cols})
     ok = cells[cells["status"] == "ok"]
@@ -291,9 +293,13 @@ def _param_diffs(cells: pd.DataFrame) -> pd.DataFrame:
         mine = group[(group["scaling"] == "strong") & (group["steps"] == ref["steps"])]
         if mine.empty:
             continue
+        if not (Path(ref["dir"]) / "params.pt").exists():
+            continue
         b = fingerprint.load(Path(ref["dir"]) / "params.pt")
         for i, c in mine.iterrows():
             path = Path(c["dir"]) / "params.pt"
+            if not path.exists():
+                continue
             a = b if c["dir"] == ref["dir"] else fingerprint.load(path)
             try:
                 max_abs, l2 = fingerprint.difference(a, b)

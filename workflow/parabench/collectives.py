@@ -191,8 +191,9 @@ def load(paths: list[Path]) -> tuple[list[dict], list[dict], list[dict]]:
     """Rows of every benchmark that ran, (devices, status, reason) of those that did
     not, and when and where each ran ({label, hosts, window}): read loosely, so a
     failed benchmark never stops the aggregate."""
-    import csv
     import json
+
+    import pandas as pd
 
     rows, failed, windows = [], [], []
     for meta_path in paths:
@@ -207,8 +208,9 @@ def load(paths: list[Path]) -> tuple[list[dict], list[dict], list[dict]]:
                 {"devices": meta.get("devices"), "status": "failed", "reason": meta.get("reason")}
             )
             continue
-        with open(meta_path.parent / "collectives.csv") as f:
-            rows += list(csv.DictReader(f))
+        # pandas, not csv: a one-rank benchmark's bus bandwidth is written `nan`, which
+        # pd.to_numeric refuses as a string (the first GPU run's aggregate died on it)
+        rows += pd.read_csv(meta_path.parent / "collectives.csv").to_dict("records")
         if meta.get("timed_window"):
             label = f"collectives at {meta.get('devices')} ranks"
             windows.append({"label": label, "hosts": meta["hosts"], "window": meta["timed_window"]})

@@ -448,7 +448,8 @@ SUMMARY_COLUMNS: dict[str, str] = {
     "rel_param_diff": "‖params - single's‖ / ‖single's - initial‖, max over repeats (from "
     "count sketches, within 1.4%, where the model has more than 2^22 parameters)",
     "equivalence_tol": "rel_param_diff allowed: 25 x single's reversed-order distance",
-    "equivalent": "True: same maths as single; False: differs; empty: not comparable",
+    "equivalent": "True: same maths as single; False: differs; empty: not comparable "
+    "(or its params.pt or single's not kept)",
     "likely_cause": "where a cell differs: the model's layers that change under this split",
     "emulated": "true when devices were stand-ins (stages all on one CPU)",
     "options": "the strategy's own settings, as JSON (its catalog record's options)",
