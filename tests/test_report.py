@@ -7,8 +7,9 @@ import pandas as pd
 import pytest
 
 from conftest import REPO
-from parabench.report import LABELS
-from report_fixture import CELLS, DDP_OFFSET, XSS, build_report
+from parabench.aggregate import aggregate
+from parabench.report import LABELS, render
+from report_fixture import CELLS, DDP_OFFSET, XSS, build_report, make_results
 
 
 @pytest.fixture(scope="module")
@@ -183,3 +184,22 @@ def test_a_table_an_earlier_run_left_shows_only_while_its_job_is_enabled(tmp_pat
     }
     assert shown == dict.fromkeys(shown, enabled), shown
     assert ("No plan in this run" in html) != enabled
+
+
+def test_one_device_count_draws_no_curve_against_devices(tmp_path):
+    """A GPU check on one GPU: every cell at one device. A curve against devices would
+    be one tick wide (its repeats' jitter spread over the whole axis, as the first H200
+    report showed); the report says so and keeps the bars that compare the strategies."""
+    from parabench.report import figures
+    from parabench.report.loading import Results
+
+    one = {k: v for k, v in CELLS.items() if k[1] == 1}
+    metas = make_results(tmp_path, cells=one)
+    aggregate(metas, tmp_path / "steps.csv", tmp_path / "summary.csv", tmp_path / "cells.csv")
+    drawn = figures.plots(Results.load(tmp_path, {}))
+    assert {"speedup", "efficiency", "throughput"}.isdisjoint(drawn)
+    assert {"step_times", "memory", "mfu"} <= set(drawn)
+    render(tmp_path, REPO / "report", {"models": {"m": {"arch": "mlp"}}}, tmp_path / "r.html")
+    html = (tmp_path / "r.html").read_text()
+    assert "share one device count: no curve against devices" in html
+    assert 'alt="speedup against devices"' not in html and 'alt="peak memory per device"' in html

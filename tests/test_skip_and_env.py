@@ -110,3 +110,16 @@ def test_launch_command_under_torchrun_is_the_agents(tmp_path):
         check=True,
     ).stdout
     assert "torch.distributed.run" in out and "--nproc-per-node" in out
+
+
+def test_gpu_topology_is_recorded_as_text(tmp_path, monkeypatch):
+    """`nvidia-smi topo -m` as the H200's driver (580) printed it: its header underlined
+    with terminal escapes, which the record drops."""
+    seen = Path(__file__).parent / "data" / "h200-nvidia-smi-topo.txt"
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text(f"#!/bin/sh\ncat '{seen}'\n")
+    smi.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    topo = envinfo.gpu_topology()
+    assert "\x1b" in seen.read_text() and "\x1b" not in topo
+    assert topo.startswith("GPU0\tCPU Affinity") and "NV#" in topo

@@ -147,7 +147,10 @@ def gpu_topology() -> str | None:
         )
     except (OSError, subprocess.TimeoutExpired):
         return None
-    return out.stdout.strip() or out.stderr.strip() or None
+    text = out.stdout.strip() or out.stderr.strip()
+    # nvidia-smi underlines the header with terminal escapes (seen on an H200's driver
+    # 580): the record is read as text
+    return re.sub(r"\x1b\[[0-9;]*m", "", text) or None
 
 
 def nvidia_smi_gpus() -> int | None:

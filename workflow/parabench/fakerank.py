@@ -725,8 +725,9 @@ def _this_gpu(precision: str, size: int = 8192) -> GPU:
     records it) and a copy's bandwidth, measured; its memory; its datasheet peak and
     attention's rate where `gpus.DEVICES` knows its name and the run is bf16 (the
     datasheet's peak is BF16's), else the measured rate. Each rank has a GPU of its own:
-    no cores are shared (`cores` 0). Never run on a GPU yet: no GPU has been lent to
-    this project's sessions (tests/test_cuda_paths.py fakes what it reads)."""
+    no cores are shared (`cores` 0). Not run on a GPU yet: the first GPU run
+    (docs/examples/h200) did not ask for this-machine; tests/test_cuda_paths.py fakes
+    what it reads."""
     if not torch.cuda.is_available():
         raise gpus.GPUError(
             "advise.gpu: this-machine measures the device the cells run on, and device is "

@@ -155,18 +155,21 @@ def plots(r: Results) -> dict[str, str]:
             )
         return _png(fig)
 
-    # The hardware's ideal, not n: on CPU the ranks share the cores single already used.
-    ideal = ok.groupby("devices")["ideal_speedup"].max().to_dict()
-    out["speedup"] = per_model(
-        "Speedup vs one device", "speedup", "speedup (×)", ideal=lambda n: ideal.get(n, n)
-    )
-    out["efficiency"] = per_model(
-        "Scaling efficiency",
-        "efficiency",
-        "speedup / devices",
-        ideal=lambda n: ideal.get(n, n) / n,
-    )
-    out["throughput"] = per_model("Throughput", "throughput", "samples / s")
+    # A curve against devices needs two counts: at one (a GPU check on one GPU) the
+    # repeats' jitter spread over an axis of one tick, and the bars below compare.
+    if len(devices) > 1:
+        # The hardware's ideal, not n: on CPU the ranks share the cores single used.
+        ideal = ok.groupby("devices")["ideal_speedup"].max().to_dict()
+        out["speedup"] = per_model(
+            "Speedup vs one device", "speedup", "speedup (×)", ideal=lambda n: ideal.get(n, n)
+        )
+        out["efficiency"] = per_model(
+            "Scaling efficiency",
+            "efficiency",
+            "speedup / devices",
+            ideal=lambda n: ideal.get(n, n) / n,
+        )
+        out["throughput"] = per_model("Throughput", "throughput", "samples / s")
 
     timed = r.steps[r.steps["phase"] == "timed"]
     if not timed.empty:
