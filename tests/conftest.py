@@ -119,6 +119,47 @@ def cells(tmp_path_factory):
     return run
 
 
+def assert_cell_records(
+    spec: RunSpec, meta: dict, proc: subprocess.CompletedProcess | None, out: Path
+) -> None:
+    """A launched cell's records: schema-valid, every step of its plan but the profiled
+    ones in order, its samples and peaks; a DataParallel cell past one device skipped
+    with its reason, writing nothing. `proc`: the launch, where the test ran it (None
+    for a sweep's cell, whose log the sweep keeps)."""
+    import csv
+
+    from parabench import records
+    from parabench.loop import PROFILED, plan
+
+    records.read_meta(out / "meta.json")  # schema-valid
+    with open(out / "steps.csv") as f:
+        reader = csv.DictReader(f)
+        rows = list(reader)
+    records.check_step_header(out / "steps.csv", reader.fieldnames)
+
+    if spec.strategy == "dp" and spec.devices > 1:  # CPU: DataParallel would silently run one copy
+        assert meta["status"] == "skipped"
+        assert "CUDA devices" in meta["reason"]
+        assert rows == [] and not (out / "params.pt").exists()
+        return
+    assert meta["status"] == "ok", f"{meta['reason']}\n{proc.stderr[-2000:] if proc else ''}"
+    assert proc is None or proc.returncode == 0
+    # every step of the plan but the profiled ones, in order: warm-up, then timed runs
+    # with one warm-up step after each profiler session but the last
+    kinds = plan(spec.steps, spec.warmup, spec.profile_steps)
+    assert [r["phase"] for r in rows] == [k for k in kinds if k != PROFILED]
+    assert [int(r["step"]) for r in rows] == [i for i, k in enumerate(kinds) if k != PROFILED]
+    assert sum(r["phase"] == "timed" for r in rows) == spec.steps - spec.warmup
+    assert all(float(r["step_time_s"]) >= float(r["step_time_min_s"]) > 0 for r in rows)
+    assert {int(r["samples"]) for r in rows} == {spec.global_batch}
+    assert meta["emulated"] == (spec.strategy == "model_parallel" and spec.devices > 1)
+    assert len(meta["peak_memory_per_rank"]) == meta["world_size"]
+    assert meta["peak_flops_total"] > 0 and meta["peak_memory_bytes"] > 0
+    assert meta["env"]["torch"] and meta["threads_per_rank"] >= 1
+    if spec.strategy in ("model_parallel", "pipeline"):
+        assert len(meta["stage_cuts"]) == spec.devices
+
+
 def load_params(cell_dir: Path) -> dict[str, torch.Tensor]:
     return torch.load(cell_dir / "params.pt", weights_only=True)
 

@@ -13,7 +13,15 @@ the workflow launches it. Same seed, same initial weights, same global batches.
 
 import pytest
 
-from conftest import SGD_LR, TINY_MLP, load_params, max_abs_diff, run_cell, tiny_spec
+from conftest import (
+    SGD_LR,
+    TINY_MLP,
+    assert_cell_records,
+    load_params,
+    max_abs_diff,
+    run_cell,
+    tiny_spec,
+)
 from parabench import equivalence
 from parabench.spec import ModelSpec
 
@@ -100,8 +108,9 @@ def test_single_actually_trains(reference, tmp_path):
 @pytest.mark.parametrize("strategy, devices, opts", CASES, ids=[_ids(c) for c in CASES])
 def test_same_parameters_as_single(reference, cells, strategy, devices, opts):
     single, _ = reference(model=opts.get("model", TINY_MLP))
-    meta, proc, out = cells(tiny_spec(strategy, devices, lr=LR, **opts))
-    assert meta["status"] == "ok", f"{meta['reason']}\n{proc.stderr[-2000:]}"
+    spec = tiny_spec(strategy, devices, lr=LR, **opts)
+    meta, proc, out = cells(spec)
+    assert_cell_records(spec, meta, proc, out)  # test_cli_cells' check, on this launch
     one_process = strategy in ("dp", "model_parallel") or devices == 1
     assert meta["world_size"] == (1 if one_process else devices)
     diff = max_abs_diff(load_params(out), single)
@@ -181,7 +190,8 @@ def test_bf16_gradient_compression_differs_by_its_rounding_and_no_more(
 def test_bf16_gradient_compression_sends_half_of_ddps_bytes(cells):
     sent = {}
     for strategy in ("ddp", "ddp_compress"):
-        meta, proc, _ = cells(tiny_spec(strategy, 2, lr=LR))
-        assert meta["status"] == "ok", f"{meta['reason']}\n{proc.stderr[-2000:]}"
+        spec = tiny_spec(strategy, 2, lr=LR)
+        meta, proc, out = cells(spec)
+        assert_cell_records(spec, meta, proc, out)
         sent[strategy] = meta["comm_per_rank"][0]["all_reduce"]["bytes"]
     assert sent["ddp_compress"] == sent["ddp"] / 2

@@ -55,9 +55,13 @@ def test_rank_fault_is_a_recorded_failure(tmp_path, kind, expected):
 
 
 def test_faults_hit_only_their_cell(tmp_path):
-    spec = tiny_spec("ddp", 2)
-    _, meta, _ = guarded(tmp_path, spec, "crash@tiny/ddp/n2/r1:rank=1:step=2")  # repeat 1
+    """The fault names repeat 1: repeat 0 runs whole, and repeat 1, the same launch
+    otherwise, fails of it (so the first half is not a fault that never fires)."""
+    fault = "crash@tiny/ddp/n2/r1:rank=1:step=2"
+    _, meta, _ = guarded(tmp_path / "r0", tiny_spec("ddp", 2), fault)
     assert meta["status"] == "ok"
+    _, meta, _ = guarded(tmp_path / "r1", tiny_spec("ddp", 2, repeat=1), fault)
+    assert meta["status"] == "failed" and "exit code 13" in meta["reason"], meta["reason"]
 
 
 def test_cell_timeout_kills_a_hang_outside_any_collective(tmp_path):

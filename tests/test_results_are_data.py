@@ -233,8 +233,8 @@ def test_a_cell_records_what_the_merge_needs_of_its_model(tmp_path):
 @pytest.mark.slow
 def test_a_resumed_sweep_runs_nothing_a_recorded_file_names(tmp_path):
     """`parabench sweep` keeps a cell recorded with the config's settings hash and merges
-    it: a meta.json changed since to name `os:system` (its recorded hash kept) is merged
-    as data or refused with its file named, and its command never runs."""
+    it: a meta.json changed since to name `os:system` (its recorded hash kept) is
+    refused by the merge with its file named, and its command never runs."""
     config = {
         "device": "cpu",
         "models": {"tiny": {"arch": "mlp", "dims": [16, 8, 1], "batch_size": 16}},
@@ -273,4 +273,7 @@ def test_a_resumed_sweep_runs_nothing_a_recorded_file_names(tmp_path):
     again = sweep()
     assert "recorded, kept" in again.stdout
     assert not marker.exists(), "a resumed sweep ran a command a results file named"
-    assert again.returncode == 0 or str(meta) in again.stderr, again.stderr[-3000:]
+    # one outcome: the merge hashes the settings the record holds, not the hash it
+    # claims, so it refuses the record, its file named, and the sweep ends with 1
+    assert again.returncode == 1, again.stderr[-3000:]
+    assert "refusing to merge" in again.stderr and str(meta) in again.stderr

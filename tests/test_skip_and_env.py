@@ -2,8 +2,11 @@
 environment."""
 
 import os
+import platform
+import socket
 import subprocess
 import sys
+from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
@@ -73,19 +76,21 @@ def test_environment_record(monkeypatch):
         ["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, capture_output=True, text=True
     ).stdout.strip()
     assert env["git_commit"].removesuffix("-dirty") == head
-    for key in (
-        "host",
-        "cpu_model",
-        "python",
-        "gloo",
-        "nccl",
-        "cuda",
-        "device_names",
-        "launch_command",
-        "start_time",
-        "torch_threads",
-    ):
-        assert key in env
+    # each value against its own reading of this process and host, not just its key
+    assert env["host"] == socket.gethostname()
+    model = [x for x in Path("/proc/cpuinfo").read_text().splitlines() if "model name" in x]
+    assert env["cpu_model"] == (model[0].split(":", 1)[1].strip() if model else env["cpu_model"])
+    assert env["cpu_model"]
+    assert env["python"] == platform.python_version()
+    assert env["gloo"] is torch.distributed.is_gloo_available() is True  # the CPU backend
+    assert env["cuda"] == torch.version.cuda  # None on this CPU build
+    assert env["nccl"] is None and env["device_names"] == [] and env["cuda_device_count"] == 0
+    assert env["device_type"] == "cpu" and env["gpu_topology"] is None
+    assert env["launch_command"] == sys.orig_argv
+    started = datetime.fromisoformat(env["start_time"])
+    assert abs((datetime.now(timezone.utc) - started).total_seconds()) < 60
+    assert env["torch_threads"] == torch.get_num_threads() >= 1
+    assert env["tf32"]["float32_matmul_precision"] == torch.get_float32_matmul_precision()
 
 
 def test_launch_command_under_torchrun_is_the_agents(tmp_path):
