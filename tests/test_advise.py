@@ -255,23 +255,49 @@ def test_a_config_advise_cannot_use_is_refused_naming_its_key(tmp_path):
     assert not (tmp_path / "advise.csv").exists()
 
 
-def test_torchtitans_runs_are_predicted_to_their_order_of_magnitude():
-    """Llama 3.1 8B, 70B and 405B ranks on fake tensors at 8 to 512 GPUs: every table
-    predicted, in the published figure's order of magnitude (what is not modelled said
-    where the run used it)."""
-    rows = advise.check_torchtitan(gpus.PROFILES["h100-96gb-500w"], PROFILES["h100-nvlink-ndr400"])
+@pytest.fixture(scope="module")
+def torchtitan_rows() -> list[dict]:
+    return advise.check_torchtitan(gpus.PROFILES["h100-96gb-500w"], PROFILES["h100-nvlink-ndr400"])
+
+
+def test_torchtitans_runs_are_predicted_as_stated(torchtitan_rows):
+    """Llama 3.1 8B, 70B and 405B ranks on fake tensors at 8 to 512 GPUs, each table
+    against what it published:
+    - Tables 1 and 3 (8B, FSDP: everything the run used is modelled) within 25% on
+      tokens/s and memory (measured: +11%, +14%; -15%, -11%), so a prediction 2x off
+      either way fails here;
+    - Tables 4 and 5 (70B FSDP x TP, 405B with PP: sequence parallelism, which they
+      ran, is not modelled, and says so) err the way its absence makes them err: TP
+      holds every activation whole, so memory over and tokens/s under the published."""
+    rows = torchtitan_rows
     assert [r["table"] for r in rows] == ["Table 1", "Table 3", "Table 4", "Table 5"]
     assert set(TORCHTITAN_COLUMNS) >= set(rows[0])
     for r in rows:
         assert r["status"] == "ok", r
-        assert 1 / 3 < r["tokens_per_s_per_gpu"] / r["published_tokens_per_s_per_gpu"] < 3
-        assert 0.1 < r["predicted_memory_gib"] / r["published_memory_gib"] < 10
         assert (r["table"] in ("Table 4", "Table 5")) == bool(r["not_modelled"])
+        tps, memory = r["tps_error"], r["memory_error"]
+        if r["not_modelled"]:
+            assert memory > 0.25 and -0.9 < tps < 0, (r["table"], tps, memory)
+        else:
+            assert abs(tps) < 0.25 and abs(memory) < 0.25, (r["table"], tps, memory)
     t1, t3 = rows[0], rows[1]
     # weak scaling from 8 to 128 GPUs: the same rank's work, more communication
     assert t3["comm_s"] > t1["comm_s"] and t3["compute_s"] == pytest.approx(
         t1["compute_s"], rel=0.05
     )
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="#45: without sequence parallelism Table 4's rank holds 392 GiB, and a run "
+    "that ran on 96 GB H100s is judged not to fit",
+)
+def test_every_published_run_fits_its_gpus(torchtitan_rows):
+    """Each of torchtitan's runs ran on its 96 GB H100s: advise must say it fits. Strict:
+    when #45 makes it pass, this marker must go."""
+    assert all(r["fits"] for r in torchtitan_rows), [
+        (r["table"], r["predicted_memory_gib"]) for r in torchtitan_rows if not r["fits"]
+    ]
 
 
 def test_the_ranking_check_sets_each_measured_layout_beside_its_prediction():
