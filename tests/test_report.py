@@ -203,3 +203,24 @@ def test_one_device_count_draws_no_curve_against_devices(tmp_path):
     html = (tmp_path / "r.html").read_text()
     assert "share one device count: no curve against devices" in html
     assert 'alt="speedup against devices"' not in html and 'alt="peak memory per device"' in html
+
+
+@pytest.mark.parametrize(
+    "peak_ac, says",
+    [
+        (900, "it fell by 0.00 MiB (10% of it)"),  # 100 of 1000 unsaved bytes
+        (100, "more than the"),  # fell 900 B > 500 unsaved: flagged, not explained
+        (1100, "did not fall"),
+    ],
+)
+def test_the_ac_memory_sentence_is_a_bound_not_a_one_point_fit(peak_ac, says):
+    """AC's peak drop is stated against its bound, the saved activations' drop, as a
+    share; a drop past the bound is a failed check, not a fit (#47: the one-block
+    share (1 - 1/k) matched at 2 blocks and overshot by 21-26% at 4 and 6)."""
+    from parabench.report.answers import _saved_check
+
+    unsaved = 1000 if peak_ac != 100 else 500
+    base = {"saved_activation_bytes": 1500, "peak_memory_bytes": 1000}
+    row = {"saved_activation_bytes": 1500 - unsaved, "peak_memory_bytes": peak_ac}
+    text = _saved_check(row, base)
+    assert says in text and "expected" not in text, text

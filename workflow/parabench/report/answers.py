@@ -133,28 +133,37 @@ def ac_vs_none(summary: pd.DataFrame) -> list[str]:
 
 
 def _saved_check(row, base) -> str:
-    """The peak's drop against what torch's MemTracker says AC saves: the saved bytes'
-    drop, less one checkpointed block's activations, live again while backward
-    recomputes it (the peak moves there)."""
-    s_ac, s_none, k = (
-        row.get("saved_activation_bytes"),
-        base.get("saved_activation_bytes"),
-        row.get("checkpointed_blocks"),
-    )
+    """The peak's drop against what torch's MemTracker says AC no longer saves: a bound,
+    not a point. The peak can fall by at most the saved bytes' drop; it falls by less,
+    as one checkpointed block's activations live again while backward recomputes it and
+    the gradients grow through backward. The one-block share, (1 - 1/k) of the drop,
+    matched at k = 2 and overshot by 21-26% at 4 and 6 blocks (#47): no point estimate
+    is claimed, the measured share is stated."""
+    s_ac, s_none = row.get("saved_activation_bytes"), base.get("saved_activation_bytes")
     if _nan(s_ac) or _nan(s_none):
         return ""
     text = (
         f" Activations saved for backward (torch's MemTracker, one rank alone): "
         f"{_mib(s_none)} without, {_mib(s_ac)} with."
     )
-    if _nan(k) or not k:
-        return text
-    expected = (s_none - s_ac) * (1 - 1 / k)
+    unsaved = s_none - s_ac
     measured = base["peak_memory_bytes"] - row["peak_memory_bytes"]
+    if unsaved <= 0:
+        return text
+    if measured <= 0:
+        return text + (
+            f" The peak did not fall ({_mib(-measured)} higher with AC): it lies where "
+            "the saved activations are not, the optimizer's step say."
+        )
+    if measured > unsaved:
+        return text + (
+            f" The peak fell by {_mib(measured)}, more than the {_mib(unsaved)} AC stopped "
+            "saving: the two cells' peaks differ by more than AC (a check failed)."
+        )
     return text + (
-        f" The peak should fall by that drop less one of its {int(k)} checkpointed blocks' "
-        f"share, live again while backward recomputes it: {_mib(expected)} expected, "
-        f"{_mib(measured)} measured."
+        f" The peak can fall by at most the {_mib(unsaved)} AC stopped saving; it fell by "
+        f"{_mib(measured)} ({measured / unsaved:.0%} of it): the recomputed block's "
+        "activations and the gradients of backward take the rest."
     )
 
 
