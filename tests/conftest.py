@@ -11,6 +11,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 import pytest
 import torch
@@ -173,15 +174,36 @@ def in_ci() -> bool:
     return os.environ.get("CI", "").lower() in ("1", "true", "yes")
 
 
+def unavailable(msg: str) -> NoReturn:
+    """Skip a test this machine cannot run, locally; fail it in CI, which runs as root
+    with every tool (tests/setup-system.sh) and where a skip would hide a test not run."""
+    if in_ci():
+        pytest.fail(msg)
+    pytest.skip(msg)
+
+
 def require_tool(name: str) -> str:
     """Path of a system tool; skip without it locally, fail without it in CI."""
     path = shutil.which(name)
     if path is None:
-        msg = f"{name} is not installed (tests/setup-system.sh installs it as root)"
-        if in_ci():
-            pytest.fail(msg)
-        pytest.skip(msg)
+        unavailable(f"{name} is not installed (tests/setup-system.sh installs it as root)")
     return path
+
+
+def require_root(why: str) -> None:
+    """Skip without root locally, fail without it in CI; `why` says what needs it."""
+    if os.geteuid() != 0:
+        unavailable(why)
+
+
+def pyproject() -> dict:
+    """pyproject.toml, read with Python 3.11's tomllib or, on 3.10, tomli: pytest's own
+    dependency there (it reads its settings from pyproject.toml), so never missing."""
+    try:
+        import tomllib
+    except ModuleNotFoundError:
+        import tomli as tomllib
+    return tomllib.loads((REPO / "pyproject.toml").read_text())
 
 
 def snakemake(

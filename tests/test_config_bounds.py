@@ -7,13 +7,12 @@ import sys
 
 import pytest
 
-from conftest import REPO, planned_outputs, snakemake, tiny_config
+from conftest import planned_outputs, pyproject, snakemake, tiny_config
 from parabench import config as cfg
 
 
 def test_jsonschema_is_a_dependency_of_the_package():
-    tomllib = pytest.importorskip("tomllib")  # Python 3.11's
-    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    project = pyproject()["project"]
     assert any(
         d.split(">")[0].split("=")[0].strip() == "jsonschema" for d in project["dependencies"]
     )

@@ -16,7 +16,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from conftest import in_ci
+from conftest import unavailable
 from parabench import aggregate, anatomy, crosscheck
 
 HTA_DATA = Path(__file__).parent / "data" / "hta"
@@ -169,10 +169,7 @@ def require_hta():
         from hta.configs.config import logger
         from hta.utils import utils
     except ImportError as e:
-        msg = f"HolisticTraceAnalysis is not installed ({e}): `pip install -e .[trace]`"
-        if in_ci():
-            pytest.fail(msg)
-        pytest.skip(msg)
+        unavailable(f"HolisticTraceAnalysis is not installed ({e}): `pip install -e .[trace]`")
     logger.setLevel(logging.WARNING)  # HTA logs a line per file parsed
     return trace_analysis, utils, BreakdownAnalysis
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from conftest import require_tool, snakemake
+from conftest import require_root, require_tool, snakemake
 
 pytestmark = pytest.mark.slow
 FAKE = Path(__file__).parent / "fake_slurm"
@@ -101,8 +101,7 @@ def two_hosts():
     """Two network namespaces, node0 (10.77.0.1) and node1 (10.77.0.2), joined by veth;
     each resolves both names through /etc/netns/NAME/hosts (ip netns exec mounts it)."""
     require_tool("ip")
-    if os.geteuid() != 0:
-        pytest.skip("network namespaces need root")
+    require_root("network namespaces need root")
     names = [f"pb{os.getpid() % 100000}n{i}" for i in range(2)]
     veth = [f"pbv{os.getpid() % 100000}{i}" for i in range(2)]
 

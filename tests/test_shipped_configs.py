@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import REPO, TINY_ENTRY, snakemake, tiny_config, tiny_spec
+from conftest import REPO, TINY_ENTRY, pyproject, snakemake, tiny_config, tiny_spec
 from parabench import doctor, models
 from parabench.config import cells, checked, load_config, problems, skipped, with_devices
 from parabench.envinfo import torch_release
@@ -206,8 +206,7 @@ def test_torch_releases_compare_as_numbers():
 
 
 def test_the_oldest_torch_is_one_release_in_pyproject_the_makefile_and_the_doctor():
-    tomllib = pytest.importorskip("tomllib")  # Python 3.11's
-    deps = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
+    deps = pyproject()["project"]["dependencies"]
     oldest = ".".join(map(str, doctor.TORCH_MIN))
     assert f"torch>={oldest}" in deps
     pin = re.search(r"^TORCH_MIN\s*\?=\s*torch==(\S+)$", (REPO / "Makefile").read_text(), re.M)

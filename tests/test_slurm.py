@@ -16,7 +16,7 @@ import pandas as pd
 import pytest
 from slurm_cluster import local_slurm
 
-from conftest import REPO, require_tool, snakemake
+from conftest import REPO, require_root, require_tool, snakemake
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
@@ -60,8 +60,7 @@ GROUPS = ["--groups", f"benchmark={GROUP}", "--group-components", f"{GROUP}=16"]
 def sweeps(tmp_path_factory):
     for tool in ("slurmctld", "slurmd", "munged", "sbatch"):
         require_tool(tool)
-    if os.geteuid() != 0:
-        pytest.skip("starting slurmctld/slurmd needs root")
+    require_root("starting slurmctld/slurmd needs root")
     work = tmp_path_factory.mktemp("slurm-work")
     grouped = tmp_path_factory.mktemp("slurm-grouped")
     profile = ["--profile", str(REPO / "profiles/slurm"), *OVERLAY]

@@ -13,7 +13,6 @@ naming the key to change."""
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import sys
@@ -23,7 +22,7 @@ import pytest
 import yaml
 from slurm_cluster import local_slurm
 
-from conftest import REPO, require_tool, snakemake
+from conftest import REPO, require_root, require_tool, snakemake
 from parabench.config import alone_ranks, checked, load_config
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
@@ -83,8 +82,7 @@ def accepted(partition: str, minutes: int) -> subprocess.CompletedProcess:
 def cluster(tmp_path_factory):
     for tool in ("slurmctld", "slurmd", "munged", "sbatch"):
         require_tool(tool)
-    if os.geteuid() != 0:
-        pytest.skip("starting slurmctld/slurmd needs root")
+    require_root("starting slurmctld/slurmd needs root")
     with local_slurm(tmp_path_factory.mktemp("slurm")) as info:
         yield info
 
