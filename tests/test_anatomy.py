@@ -120,8 +120,8 @@ def summary_of(out) -> pd.Series:
 # The anatomy's cells: milliseconds a step, 24 profiled steps, a no-communication block
 # after each of 8 sessions.
 CLOSING = dict(model=WIDE, batch_size=512, steps=36, warmup=4, profile_steps=24)
-# How far a measured ratio may stray from 1 on this 2-core VM shared with other work: 12
-# cells (ddp, grad_accum, pipeline; four runs, one beside another worker's tests) read
+# How far a measured ratio may stray from 1 on this 2-core VM shared with other work: 18
+# cells (ddp, grad_accum, pipeline; six runs, some beside another worker's tests) read
 # profiler_overhead 0.93-1.16 and anatomy_closure 0.93-1.17, so within 1.4x: a step's
 # length counted twice or half (2 or 0.5) falls outside. The work ratio and compute over
 # the no-communication step, two timings minutes apart, read 0.61-1.23 and 0.62-1.26
@@ -130,12 +130,14 @@ CLOSING = dict(model=WIDE, batch_size=512, steps=36, warmup=4, profile_steps=24)
 CLOSES_WITHIN = 1.4
 CHECKED_WITHIN = 1.8
 # Compute against the cell's FLOPs at the GEMM rate measured on its rank's core (a step's
-# matmuls never run faster than the best square GEMM): the 12 cells read 1.40-2.37 times
-# that time. A quarter off for a rate measured while a neighbour held the core.
-FLOP_FLOOR = 0.75
+# matmuls never run faster than the best square GEMM): the 18 cells read 0.86-2.37 times
+# that time, the 0.86 where the rate was read at 48 GFLOP/s while a neighbour held the
+# core (64-90 otherwise). Half of it, then: compute a fifth of itself still falls below.
+FLOP_FLOOR = 0.5
 # The time the main thread ran on its core in the compute regions is compute, less the
-# collectives' own calls there (communication's): at most 2.0% of it in those cells.
-ON_CORE_FLOOR = 0.9
+# collectives' own calls there (communication's): at most 5.0% of it in a step of the 18
+# cells (grad_accum's, whose four micro-batches' calls are the most).
+ON_CORE_FLOOR = 0.8
 
 
 def closing(cells, strategy: str) -> tuple[dict, Path]:
