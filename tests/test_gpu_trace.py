@@ -13,6 +13,7 @@ import math
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import pytest
 
@@ -186,14 +187,31 @@ def hta(tmp_path_factory):
     return ta, hta_utils, breakdown
 
 
+def covered(spans: pd.DataFrame, all_of: list[pd.Series], none_of: pd.Series) -> float:
+    """µs during which a row of each mask in `all_of` runs and no row of `none_of`, over
+    `spans` (ts, end): a sweep over every row's start and end, apart from the anatomy's
+    interval code (union, subtract) and from HTA's merge. A row runs in the piece from
+    one cut to the next if it started at or before the piece's start and had not ended."""
+    cuts = np.unique(np.concatenate([spans["ts"], spans["end"]]))
+
+    def running(mask: pd.Series) -> np.ndarray:
+        starts, ends = np.sort(spans.loc[mask, "ts"]), np.sort(spans.loc[mask, "end"])
+        at = cuts[:-1]
+        return np.searchsorted(starts, at, "right") > np.searchsorted(ends, at, "right")
+
+    on = np.logical_and.reduce([running(m) for m in all_of]) & ~running(none_of)
+    return float(np.diff(cuts)[on].sum())
+
+
 def hta_figures(ta, hta_utils, breakdown, rank: int) -> dict[str, float]:
     """HTA's own figures for one rank, µs: compute (get_temporal_breakdown: the union of
     its COMPUTATION kernels); communication, the union of its COMMUNICATION kernels,
     and their overlap, which no public call returns (get_comm_comp_overlap gives the
     overlap as a percentage of that union, to 0.01): its own classifier, merge and
     kernel-type breakdown (get_gpu_kernel_breakdown's, summed over ranks there), as
-    its analyses call them. Plus, for the difference explained below, the communication
-    that H2D copies alone ran beside."""
+    its analyses call them. Plus, swept here over HTA's own kernel rows (covered), the
+    communication and its overlap again (the sweep checked against HTA), and, for the
+    difference explained below, the communication that H2D copies alone ran beside."""
     compute = ta.get_temporal_breakdown(visualize=False).set_index("rank")
     pctg = ta.get_comm_comp_overlap(visualize=False).set_index("rank")
     names = ta.t.symbol_table.get_sym_table()
@@ -205,26 +223,22 @@ def hta_figures(ta, hta_utils, breakdown, rank: int) -> dict[str, float]:
     comp_t, comm_t = hta_utils.KernelType.COMPUTATION.name, hta_utils.KernelType.COMMUNICATION.name
     by_type = breakdown._get_gpu_kernel_type_time(gpu, [comp_t, comm_t])
     both = by_type["kernel_type"].str.contains(comp_t) & by_type["kernel_type"].str.contains(comm_t)
-
-    def merged(mask) -> list[tuple[float, float]]:
-        m = hta_utils.merge_kernel_intervals(gpu[mask].copy())
-        return list(zip(m["ts"].astype(float), m["end"].astype(float), strict=True))
-
-    comm = merged(kind.eq(comm_t))
-    comp = merged(kind.eq(comp_t))
-    h2d = merged(
-        kind.eq(hta_utils.KernelType.MEMORY.name)
-        & name.map(hta_utils.get_memory_kernel_type).eq("Memcpy HtoD")
+    comm, comp = kind.eq(comm_t), kind.eq(comp_t)
+    h2d = kind.eq(hta_utils.KernelType.MEMORY.name) & name.map(hta_utils.get_memory_kernel_type).eq(
+        "Memcpy HtoD"
     )
-    comm_us = anatomy.length(comm)
-    exposed = anatomy.subtract(comm, comp)
+    merged = hta_utils.merge_kernel_intervals(gpu[comm].copy())
+    spans = pd.DataFrame({"ts": gpu["ts"].astype(float)})
+    spans["end"] = spans["ts"] + gpu["dur"].astype(float)
+    nothing = pd.Series(False, index=gpu.index)
     return {
         "compute": float(compute.loc[rank, "compute_time(us)"]),
-        "comm": comm_us,
+        "comm": float((merged["end"] - merged["ts"]).sum()),
         "overlap": float(by_type.loc[both, "sum"].sum()),
         "overlap_pctg": float(pctg.loc[rank, "comp_comm_overlap_pctg"]),
-        "comm_under_h2d_only": anatomy.length(exposed)
-        - anatomy.length(anatomy.subtract(exposed, h2d)),
+        "swept_comm": covered(spans, [comm], nothing),
+        "swept_overlap": covered(spans, [comm, comp], nothing),
+        "comm_under_h2d_only": covered(spans, [comm, h2d], comp),
     }
 
 
@@ -241,6 +255,34 @@ def our_figures(events: list[dict]) -> dict[str, float]:
     }
 
 
+# Our overlap's share of communication, and HTA's (get_comm_comp_overlap), per rank, %:
+# ours is higher by the communication that only an H2D copy ran beside.
+OVERLAP_PCT = {0: (15.16, 14.95), 1: (20.94, 19.93)}
+
+
+def compare_with_hta(hta, rank: int) -> tuple[dict, dict, str]:
+    """Per rank, on real traces: ours and HTA's figures, µs, and the table of them."""
+    ta, hta_utils, breakdown = hta
+    events = load(HTA_DATA / f"sampled_rank-{rank}.json.gz")
+    windows, _ = anatomy.step_windows(events, anatomy.PROFILER_STEP)
+    # both read the same work: every device row lies within a profiled step
+    rows = [anatomy._span(e) for e in events if anatomy._is_device(e)]
+    assert all(any(lo <= a and b <= hi for lo, hi in windows) for a, b in rows)
+    ours, theirs = our_figures(events), hta_figures(ta, hta_utils, breakdown, rank)
+    term = {"compute": 0.0, "comm": 0.0, "overlap": theirs["comm_under_h2d_only"]}
+    table = "\n".join(
+        f"  {k:8s} ours {ours[k]:10.0f}  HTA {theirs[k]:10.0f}"
+        f"  ours-HTA {ours[k] - theirs[k]:+7.0f}  (H2D term {term[k]:+6.0f})"
+        for k in ("compute", "comm", "overlap")
+    )
+    mine = 100 * ours["overlap"] / ours["comm"]
+    table += (
+        f"\n  overlap/comm ours {mine:.4f}%, HTA's get_comm_comp_overlap"
+        f" {theirs['overlap_pctg']}%, H2D term {100 * term['overlap'] / ours['comm']:.4f}%"
+    )
+    return ours, {**theirs, "term": term, "pct": mine}, table
+
+
 @HTA_WARNINGS
 @pytest.mark.parametrize("rank", RANKS)
 def test_the_cuda_anatomy_agrees_with_holistic_trace_analysis(hta, rank):
@@ -254,35 +296,72 @@ def test_the_cuda_anatomy_agrees_with_holistic_trace_analysis(hta, rank):
     MEMORY, never compute nor communication; ours calls H2D copies data and the others
     nothing (other_s where nothing else runs). HTA also leaves out of compute, as
     OTHER, kernels whose names hold "Memcpy" or "Sync" (ours count them): these traces
-    have none. With that H2D term, from HTA's own intervals, the figures agree to
-    1 µs (the traces' resolution), and the overlap's share of communication with HTA's
-    percentage to its 0.01."""
-    ta, hta_utils, breakdown = hta
-    events = load(HTA_DATA / f"sampled_rank-{rank}.json.gz")
-    windows, _ = anatomy.step_windows(events, anatomy.PROFILER_STEP)
-    # both read the same work: every device row lies within a profiled step
-    rows = [anatomy._span(e) for e in events if anatomy._is_device(e)]
-    assert all(any(lo <= a and b <= hi for lo, hi in windows) for a, b in rows)
-    ours, theirs = our_figures(events), hta_figures(ta, hta_utils, breakdown, rank)
-    expected = {
-        "compute": theirs["compute"],
-        "comm": theirs["comm"],
-        "overlap": theirs["overlap"] + theirs["comm_under_h2d_only"],
-    }
-    table = "\n".join(
-        f"  {k:8s} ours {ours[k]:10.0f}  HTA {theirs[k]:10.0f}"
-        f"  ours-HTA {ours[k] - theirs[k]:+7.0f}  (H2D term {expected[k] - theirs[k]:+6.0f})"
-        for k in ("compute", "comm", "overlap")
-    )
-    share = 100 * (ours["overlap"] - theirs["comm_under_h2d_only"]) / ours["comm"]
-    table += (
-        f"\n  overlap/comm {share:.4f}% (HTA's get_comm_comp_overlap {theirs['overlap_pctg']}%)"
-    )
+    have none. That H2D term is swept here over HTA's own kernel rows, apart from the
+    anatomy's interval code; the same sweep gives HTA's communication and overlap to
+    1 µs. With it the figures agree to 1 µs (the traces' resolution): our overlap's
+    share of communication (15.16% and 20.94%) is HTA's (14.95% and 19.93%, to its 0.01)
+    plus the H2D term's (0.21% and 1.01%)."""
+    ours, theirs, table = compare_with_hta(hta, rank)
     print(f"\nrank {rank}, µs over ProfilerStep#551-552:\n{table}")
+    assert_agrees(ours, theirs, table, rank)
+
+
+def assert_agrees(ours: dict, theirs: dict, table: str, rank: int) -> None:
     assert theirs["comm"] > 0 and theirs["overlap"] > 0, "a trace with something to agree on"
+    assert theirs["swept_comm"] == pytest.approx(theirs["comm"], abs=1.0), table
+    assert theirs["swept_overlap"] == pytest.approx(theirs["overlap"], abs=1.0), table
     for k in ("compute", "comm", "overlap"):
-        assert ours[k] == pytest.approx(expected[k], abs=1.0), f"{k}, rank {rank}:\n{table}"
-    assert share == pytest.approx(theirs["overlap_pctg"], abs=0.005 + 1e-9), table
+        expected = theirs[k] + theirs["term"][k]
+        assert ours[k] == pytest.approx(expected, abs=1.0), f"{k}, rank {rank}:\n{table}"
+    # the percentages, each side's own: the difference is the H2D term, to HTA's 0.01
+    mine, hta_pct = OVERLAP_PCT[rank]
+    assert theirs["overlap_pctg"] == hta_pct, table
+    assert theirs["pct"] == pytest.approx(mine, abs=0.005), table
+    h2d_pct = 100 * theirs["term"]["overlap"] / ours["comm"]
+    assert theirs["pct"] - h2d_pct == pytest.approx(hta_pct, abs=0.005 + 1e-9), table
+
+
+def _overlap_doubled(on_gpu):
+    def wrong(*args, **kw) -> dict[str, float]:
+        p = on_gpu(*args, **kw)
+        return {**p, "comm_exposed_s": p["comm_s"] - 2 * (p["comm_s"] - p["comm_exposed_s"])}
+
+    return wrong
+
+
+def _copies_hide_nothing(on_gpu):
+    def wrong(busy, comm, recv, data, window):
+        return on_gpu(busy, comm, recv, [], window)
+
+    return wrong
+
+
+def _short_pieces_kept(subtract):
+    """Pieces under 4 µs of what is subtracted are not taken away: a bug the old
+    correction, computed with anatomy.subtract, shared (rank 1 agreed with HTA then)."""
+
+    def wrong(xs, ys):
+        return subtract(xs, [(a, b) for a, b in ys if b - a >= 4])
+
+    return wrong
+
+
+# Wrong overlaps the comparison must refuse: what each changes in the anatomy.
+OVERLAP_MUTANTS = {
+    "overlap doubled": ("_on_gpu", _overlap_doubled),
+    "H2D copies hide no communication (HTA's overlap exactly)": ("_on_gpu", _copies_hide_nothing),
+    "subtract keeps pieces under 4 µs": ("subtract", _short_pieces_kept),
+}
+
+
+@HTA_WARNINGS
+@pytest.mark.parametrize("rank", RANKS)
+@pytest.mark.parametrize("mutant", OVERLAP_MUTANTS)
+def test_a_wrong_overlap_disagrees_with_holistic_trace_analysis(hta, monkeypatch, rank, mutant):
+    name, wrong = OVERLAP_MUTANTS[mutant]
+    monkeypatch.setattr(anatomy, name, wrong(getattr(anatomy, name)))
+    with pytest.raises(AssertionError, match=r"^overlap, rank"):
+        assert_agrees(*compare_with_hta(hta, rank), rank)
 
 
 @HTA_WARNINGS
