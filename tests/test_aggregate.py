@@ -202,3 +202,4 @@ def test_records_copied_without_their_parameters_merge_uncompared(tmp_path):
     ok = s[s["status"] == "ok"]
     assert len(ok) >= 2 and ok["equivalent"].isna().all()
     assert ok["rel_param_diff"].isna().all() and (ok["step_time_s"] > 0).all()
+    assert ok["likely_cause"].str.contains("params.pt absent").all()  # said, not silent

@@ -122,13 +122,14 @@ def summary_of(out) -> pd.Series:
 CLOSING = dict(model=WIDE, batch_size=512, steps=36, warmup=4, profile_steps=24)
 # How far a measured ratio may stray from 1 on this 2-core VM shared with other work: 18
 # cells (ddp, grad_accum, pipeline; six runs, some beside another worker's tests) read
-# profiler_overhead 0.93-1.16 and anatomy_closure 0.93-1.17, so within 1.4x: a step's
-# length counted twice or half (2 or 0.5) falls outside. The work ratio and compute over
-# the no-communication step, two timings minutes apart, read 0.61-1.23 and 0.62-1.26
-# (the pipeline's stages the widest): within 1.8x, so that compute mostly filed elsewhere
-# (0.2 of it: 0.12-0.25) falls outside.
-CLOSES_WITHIN = 1.4
-CHECKED_WITHIN = 1.8
+# profiler_overhead 0.93-1.16 and anatomy_closure 0.93-1.17; within 1.6x leaves room for
+# a busier machine, and a step's length counted twice or half (2 or 0.5) still falls
+# outside. The work ratio and compute over the no-communication step, two timings
+# minutes apart, read 0.61-1.23 and 0.62-1.26 (the pipeline's stages the widest; a work
+# check once read 0.37 beside a browser): within 2.5x, so that compute mostly filed
+# elsewhere (0.2 of it: 0.12-0.25) still falls outside.
+CLOSES_WITHIN = 1.6
+CHECKED_WITHIN = 2.5
 # Compute against the cell's FLOPs at the GEMM rate measured on its rank's core (a step's
 # matmuls never run faster than the best square GEMM): the 18 cells read 0.86-2.37 times
 # that time, the 0.86 where the rate was read at 48 GFLOP/s while a neighbour held the

@@ -19,6 +19,7 @@ import yaml
 
 from conftest import REPO, TINY_ENTRY, pyproject, snakemake, tiny_config, tiny_spec
 from parabench import doctor, models
+from parabench.catalog import CATALOG
 from parabench.config import cells, checked, load_config, problems, skipped, with_devices
 from parabench.envinfo import torch_release
 from parabench.launch import cell_argv
@@ -337,3 +338,17 @@ def test_the_collectives_benchmark_at_one_rank_claims_no_bus_bandwidth(tmp_path)
     assert rows["busbw_GBps"].isna().all() and (rows["time_s"] > 0).all()
     with pytest.raises(FabricError, match="no collective curves"):
         from_curves(rows)
+
+
+def test_the_gpu_check_on_one_gpu_is_the_18_cells_its_docs_time():
+    """config/gpu-check.yaml, docs/design/gpu-check.md and the README time 18 cells on
+    one GPU: every one-dimensional strategy in bf16, fp32 only on its six `also` cells."""
+    specs = [c.spec for c in cells(shipped("config/gpu-check.yaml", [1]))]
+    assert len(specs) == 18 and {s.devices for s in specs} == {1}
+    fp32 = sorted((s.model_name, s.strategy) for s in specs if s.precision == "fp32")
+    assert fp32 == sorted(
+        [("mlp", "single"), ("mlp", "ddp")]
+        + [("resmlp", s) for s in ("single", "ddp", "fsdp", "tp")]
+    )
+    one_dim = {r.name for r in CATALOG.values() if not r.layout}
+    assert {s.strategy for s in specs if s.model_name == "resmlp"} == one_dim

@@ -293,12 +293,15 @@ def _param_diffs(cells: pd.DataFrame) -> pd.DataFrame:
         mine = group[(group["scaling"] == "strong") & (group["steps"] == ref["steps"])]
         if mine.empty:
             continue
+        absent = "not compared: {} params.pt absent (records copied without parameters?)"
         if not (Path(ref["dir"]) / "params.pt").exists():
+            out.loc[mine.index, "likely_cause"] = absent.format("single's")
             continue
         b = fingerprint.load(Path(ref["dir"]) / "params.pt")
         for i, c in mine.iterrows():
             path = Path(c["dir"]) / "params.pt"
             if not path.exists():
+                out.loc[i, "likely_cause"] = absent.format("its")
                 continue
             a = b if c["dir"] == ref["dir"] else fingerprint.load(path)
             try:

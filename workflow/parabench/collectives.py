@@ -210,7 +210,10 @@ def load(paths: list[Path]) -> tuple[list[dict], list[dict], list[dict]]:
             continue
         # pandas, not csv: a one-rank benchmark's bus bandwidth is written `nan`, which
         # pd.to_numeric refuses as a string (the first GPU run's aggregate died on it)
-        rows += pd.read_csv(meta_path.parent / "collectives.csv").to_dict("records")
+        try:
+            rows += pd.read_csv(meta_path.parent / "collectives.csv").to_dict("records")
+        except pd.errors.EmptyDataError:  # an empty table is no rows, as csv read it
+            continue
         if meta.get("timed_window"):
             label = f"collectives at {meta.get('devices')} ranks"
             windows.append({"label": label, "hosts": meta["hosts"], "window": meta["timed_window"]})

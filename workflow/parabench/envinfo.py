@@ -147,10 +147,11 @@ def gpu_topology() -> str | None:
         )
     except (OSError, subprocess.TimeoutExpired):
         return None
-    text = out.stdout.strip() or out.stderr.strip()
     # nvidia-smi underlines the header with terminal escapes (seen on an H200's driver
-    # 580): the record is read as text
-    return re.sub(r"\x1b\[[0-9;]*m", "", text) or None
+    # 580): the record is read as text. Blank lines trimmed, not the header's leading
+    # tab, which keeps its columns over the rows'.
+    text = re.sub(r"\x1b\[[0-9;]*m", "", out.stdout or out.stderr)
+    return text.strip("\n") or None
 
 
 def nvidia_smi_gpus() -> int | None:

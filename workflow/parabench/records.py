@@ -450,7 +450,8 @@ SUMMARY_COLUMNS: dict[str, str] = {
     "equivalence_tol": "rel_param_diff allowed: 25 x single's reversed-order distance",
     "equivalent": "True: same maths as single; False: differs; empty: not comparable "
     "(or its params.pt or single's not kept)",
-    "likely_cause": "where a cell differs: the model's layers that change under this split",
+    "likely_cause": "where a cell differs: the model's layers that change under this split; "
+    "where it was not compared for want of a params.pt, that",
     "emulated": "true when devices were stand-ins (stages all on one CPU)",
     "options": "the strategy's own settings, as JSON (its catalog record's options)",
     "compute_s": "critical profiled step (the straggler's parts over the slowest rank's step, "

@@ -153,7 +153,7 @@ def _saved_check(row, base) -> str:
     if measured <= 0:
         return text + (
             f" The peak did not fall ({_mib(-measured)} higher with AC): it lies where "
-            "the saved activations are not, the optimizer's step say."
+            "the saved activations are not: the optimizer's step, say."
         )
     if measured > unsaved:
         return text + (
