@@ -294,10 +294,11 @@ def _param_diffs(cells: pd.DataFrame) -> pd.DataFrame:
         if mine.empty:
             continue
         absent = "not compared: {} params.pt absent (records copied without parameters?)"
-        if not (Path(ref["dir"]) / "params.pt").exists():
+        ref_params = Path(ref["dir"]) / "params.pt"
+        if not ref_params.exists():
             out.loc[mine.index, "likely_cause"] = absent.format("single's")
             continue
-        b = fingerprint.load(Path(ref["dir"]) / "params.pt")
+        b = fingerprint.load(ref_params)
         for i, c in mine.iterrows():
             path = Path(c["dir"]) / "params.pt"
             if not path.exists():

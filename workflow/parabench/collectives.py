@@ -191,6 +191,7 @@ def load(paths: list[Path]) -> tuple[list[dict], list[dict], list[dict]]:
     """Rows of every benchmark that ran, (devices, status, reason) of those that did
     not, and when and where each ran ({label, hosts, window}): read loosely, so a
     failed benchmark never stops the aggregate."""
+    import contextlib
     import json
 
     import pandas as pd
@@ -209,11 +210,10 @@ def load(paths: list[Path]) -> tuple[list[dict], list[dict], list[dict]]:
             )
             continue
         # pandas, not csv: a one-rank benchmark's bus bandwidth is written `nan`, which
-        # pd.to_numeric refuses as a string (the first GPU run's aggregate died on it)
-        try:
+        # pd.to_numeric refuses as a string (the first GPU run's aggregate died on it).
+        # An empty table is no rows, as csv read it; its window still counts.
+        with contextlib.suppress(pd.errors.EmptyDataError):
             rows += pd.read_csv(meta_path.parent / "collectives.csv").to_dict("records")
-        except pd.errors.EmptyDataError:  # an empty table is no rows, as csv read it
-            continue
         if meta.get("timed_window"):
             label = f"collectives at {meta.get('devices')} ranks"
             windows.append({"label": label, "hosts": meta["hosts"], "window": meta["timed_window"]})
