@@ -17,7 +17,7 @@ import pytest
 import torch
 import yaml
 
-from parabench import launch
+from parabench import launch, warm
 from parabench.spec import ModelSpec, RunSpec
 
 REPO = Path(__file__).resolve().parents[1]
@@ -30,6 +30,15 @@ TINY_ENTRY = {"arch": "mlp", "dims": TINY_DIMS, "batch_size": 64}
 # gradient scale cannot hide. Tests that read other records of the same cells use it too,
 # so that each cell is launched once (see `cells`).
 SGD_LR = 0.5
+
+
+@pytest.fixture(scope="session", autouse=True)
+def warm_launches():
+    """Every launch of a test worker forked from one warm process, as a local run's are
+    (parabench.warm): Snakemake and the sweep use it rather than start their own. The
+    cold start, what a cluster's job makes, is tests/test_warm.py's (PARABENCH_WARM=0)."""
+    with warm.warm_process():
+        yield
 
 
 def tiny_spec(strategy: str, devices: int, **kw) -> RunSpec:

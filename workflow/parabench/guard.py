@@ -28,7 +28,7 @@ import sys
 import time
 from pathlib import Path
 
-from parabench import envinfo, records
+from parabench import envinfo, records, warm
 
 _ERROR_LINE = re.compile(r"(Error|Exception|error:|Killed|Traceback)")
 # torchrun's own epilogue repeats the failure; the rank's error line says more.
@@ -132,15 +132,7 @@ def guard(out: Path, cmd: list[str], timeout_s: float, fields: dict, ranks: int)
     print(shlex.join(cmd), flush=True)
     tail: collections.deque[str] = collections.deque(maxlen=200)
     started = time.monotonic()
-    proc = subprocess.Popen(
-        cmd,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        errors="replace",
-        start_new_session=True,
-        preexec_fn=_die_with_parent,
-    )
+    proc = start(cmd)
 
     interrupted: list[int] = []
 
@@ -234,6 +226,26 @@ def guard(out: Path, cmd: list[str], timeout_s: float, fields: dict, ranks: int)
     return 0
 
 
-def _kill_group(proc: subprocess.Popen, sig: int) -> None:
+def start(cmd: list[str]) -> subprocess.Popen | warm.WarmProcess:
+    """`cmd` in a new session with its output on a pipe: forked from the run's warm
+    process where there is one (parabench.warm), else a new process; which, in the log."""
+    proc = warm.spawn(cmd)
+    if isinstance(proc, warm.WarmProcess):
+        print(f"parabench guard: warm start, pid {proc.pid}", file=sys.stderr, flush=True)
+        return proc
+    if proc != warm.NO_WARM_PROCESS:
+        print(f"parabench guard: cold start: {proc}", file=sys.stderr, flush=True)
+    return subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        errors="replace",
+        start_new_session=True,
+        preexec_fn=_die_with_parent,
+    )
+
+
+def _kill_group(proc: subprocess.Popen | warm.WarmProcess, sig: int) -> None:
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, sig)

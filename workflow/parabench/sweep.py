@@ -22,7 +22,7 @@ from pathlib import Path
 
 import yaml
 
-from parabench import doctor, lock, records
+from parabench import doctor, lock, records, warm
 from parabench.catalog import CATALOG, ONE_PROCESS
 from parabench.config import (
     ConfigError,
@@ -141,7 +141,10 @@ def sweep(
     with lock.held(workdir / config["results"], command) as held:
         if held.took_over:
             print(f"lock: took over the lock of {held.took_over}, which is gone", flush=True)
-        return _run(config, workdir, force, retry_failed)
+        # every launch of this host's run forked warm (parabench.warm); torch is
+        # imported there while the preflight runs
+        with warm.warm_process():
+            return _run(config, workdir, force, retry_failed)
 
 
 def _run(config: dict, workdir: Path, force: bool, retry_failed: bool) -> Path:

@@ -1,6 +1,7 @@
 # Helpers shared by the rules: the cell table and each cell's command line, built by the
 # parabench package (torch-free modules: config, catalog, checks, launch, records) so the
 # workflow and `parabench sweep` plan and start cells the same way.
+import contextlib
 import hashlib
 import shlex
 import sys
@@ -24,7 +25,7 @@ from parabench.config import (
     skipped,
     slurm_jobs,
 )
-from parabench import doctor, lock
+from parabench import doctor, lock, warm
 from parabench.config import advise_measures, measures, planned_specs
 from parabench.launch import (
     advise_command,
@@ -222,17 +223,22 @@ def run_held(execute):
     and after the preflight where --no-hooks leaves out onstart, onsuccess and onerror,
     which do both otherwise: the run's settings are known here (Snakemake sets them
     before it calls this), and so is its executor (a dry run's takes neither). In the
-    main process only: a cluster job's parse runs no workflow of its own."""
+    main process only: a cluster job's parse runs no workflow of its own. A run whose
+    jobs run here has a warm process for their launches (parabench.warm), importing
+    torch while the preflight runs; a cluster's jobs start on other hosts, without."""
 
     def run(*args, **kwargs):
         executor = kwargs.get("executor_plugin", args[0] if args else None)
-        if not workflow.execution_settings.no_hooks or executor.common_settings.dryrun_exec:
-            return execute(*args, **kwargs)
-        take_results_lock()
-        try:
-            preflight(executor)
-            return execute(*args, **kwargs)
-        finally:
-            release_results_lock()
+        settings = executor.common_settings
+        here = settings.local_exec and not settings.dryrun_exec
+        with warm.warm_process() if here else contextlib.nullcontext():
+            if not workflow.execution_settings.no_hooks or settings.dryrun_exec:
+                return execute(*args, **kwargs)
+            take_results_lock()
+            try:
+                preflight(executor)
+                return execute(*args, **kwargs)
+            finally:
+                release_results_lock()
 
     return run

@@ -1,0 +1,235 @@
+"""Warm starts: a local run's launches forked from one process that has imported torch.
+
+Why: a launch's agent (parabench.torchrun) or one-process cell imports torch and what
+its ranks run before its first step: 3.5 to 4 s of CPU on the 2-core machines the
+default run is sized for, paid again by every cell, and most of the default run's time.
+A run on one host (Snakemake's local executor, `parabench sweep`) starts one warm
+process (parabench.forkserver) that imports all of that once and forks each launch's
+process from there, as parabench.torchrun forks the ranks from its agent, and for the
+same reason it is safe: the warm process runs no torch op, starts no thread and never
+starts CUDA, so each fork begins where a fresh Python would be once its imports are
+done. The timed steps are the same code in the same kind of process.
+
+What is forked is what the guard would have started: `python -m parabench.torchrun ...`
+or `python -m parabench run|collectives ...`, with the launch's working directory,
+environment, and standard streams (passed over the socket); the guard reads, times and
+kills it as its own child. A launch that the warm process cannot stand for, because
+its Python differs or an environment variable torch reads at import differs from the
+one the warm process imported with, starts cold, and says so in its log. So does every
+launch when there is no warm process (a Slurm job, a cluster node) or it has gone.
+
+This module is the client (the guard's side) and starts the server; it never imports
+torch.
+"""
+
+from __future__ import annotations
+
+import array
+import contextlib
+import importlib.util
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+
+# The environment variable that names the run's warm process (an abstract Unix socket:
+# no file to clean up, no path-length limit, gone with its process).
+ENV = "PARABENCH_WARM"
+
+# Variables read when torch and its libraries are imported (threads, allocators,
+# devices, logging, the interpreter's own): a launch whose values differ from the warm
+# process's would not be the process it asked for, so it starts cold.
+IMPORT_TIME_PREFIXES = (
+    "PYTHON",
+    "TORCH",
+    "PYTORCH",
+    "OMP_",
+    "MKL_",
+    "KMP_",
+    "GOMP_",
+    "OPENBLAS",
+    "LD_",
+    "CUDA",
+    "NCCL",
+    "NVIDIA",
+    "HIP",
+    "ROCM",
+    "TRITON",
+    "HF_",
+    "TRANSFORMERS",
+)
+
+# The commands a warm process forks: torchrun's agent, and the processes of a cell or
+# of the collectives benchmark that run without one.
+WARM_MODULES = {("-m", "parabench.torchrun"), ("-m", "parabench")}
+
+NO_WARM_PROCESS = "no warm process in this run"
+
+
+def import_time_env(env: dict[str, str]) -> dict[str, str]:
+    """The part of an environment that torch and Python read when they are imported.
+    Not the thread counts (OMP_, MKL_, OPENBLAS_NUM_THREADS), which Snakemake sets to
+    each job's `threads`: every rank sets its own (runtime.start: torch.set_num_threads
+    over the cores it is bound to), as the ranks that torchrun's agent forks already do
+    whatever the agent imported torch with."""
+    return {
+        k: v
+        for k, v in env.items()
+        if k.startswith(IMPORT_TIME_PREFIXES) and not k.endswith("_NUM_THREADS")
+    }
+
+
+def forkable(argv: list[str]) -> bool:
+    """Whether `argv` is a command a warm process forks (python -m parabench...)."""
+    return len(argv) >= 3 and tuple(argv[1:3]) in WARM_MODULES
+
+
+def _address(name: str) -> str:
+    return "\0parabench-warm-" + name
+
+
+class WarmProcess:
+    """A launch forked by the warm process: what the guard needs of a Popen (pid,
+    stdout, poll, wait, returncode). Its exit status comes over the socket from the warm
+    process, which is its parent; a status lost with the warm process reads as killed
+    by SIGKILL, once the process itself is gone."""
+
+    def __init__(self, conn: socket.socket, pid: int, stdout) -> None:
+        self._conn = conn
+        self.pid = pid
+        self.stdout = stdout
+        self.returncode: int | None = None
+        self._buffer = b""
+
+    def poll(self) -> int | None:
+        if self.returncode is not None:
+            return self.returncode
+        self._conn.setblocking(False)
+        try:
+            while chunk := self._conn.recv(64):
+                self._buffer += chunk
+                if b"\n" in self._buffer:
+                    break
+            else:  # the warm process closed the socket without a status: it died
+                if not _alive(self.pid):
+                    self.returncode = -signal.SIGKILL
+        except BlockingIOError:
+            pass
+        if b"\n" in self._buffer:
+            self.returncode = int(self._buffer.split(b"\n", 1)[0])
+        if self.returncode is not None:
+            self._conn.close()
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired("warm launch", timeout)
+            time.sleep(0.02)
+        assert self.returncode is not None
+        return self.returncode
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def spawn(argv: list[str], env: dict[str, str] | None = None) -> WarmProcess | str:
+    """Fork `argv` from the run's warm process, its output to a new pipe (the returned
+    process's `stdout`, text), in this directory and environment; or, where it cannot,
+    why (a sentence for the log), and the caller starts it cold."""
+    env = dict(os.environ if env is None else env)
+    name = env.get(ENV)
+    if not name or name == "0":
+        return NO_WARM_PROCESS
+    if not forkable(argv):
+        return "not a command the warm process forks"
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        conn.connect(_address(name))
+    except OSError as e:
+        conn.close()
+        return f"the run's warm process is gone ({e.strerror or e})"
+    read_end, write_end = os.pipe()
+    stdin = os.open(os.devnull, os.O_RDONLY)  # as the guard's Popen: no input
+    try:
+        request = json.dumps({"argv": argv, "cwd": os.getcwd(), "env": env}).encode()
+        fds = array.array("i", [stdin, write_end, write_end])
+        header = len(request).to_bytes(8, "big")
+        conn.sendmsg([header], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, fds)])
+        conn.sendall(request)
+        answer = b""
+        while not answer.endswith(b"\n"):  # its pid, or why not; waits out its imports
+            chunk = conn.recv(4096)
+            if not chunk:
+                raise ConnectionError("the warm process closed the connection")
+            answer += chunk
+    except (OSError, ConnectionError) as e:
+        conn.close()
+        os.close(read_end)
+        return f"the run's warm process did not answer ({e})"
+    finally:
+        os.close(write_end)
+        os.close(stdin)
+    reply = answer.decode().strip()
+    if not reply.isdigit():
+        conn.close()
+        os.close(read_end)
+        return reply
+    stdout = os.fdopen(read_end, "r", errors="replace")
+    return WarmProcess(conn, int(reply), stdout)
+
+
+@contextlib.contextmanager
+def warm_process(env: dict[str, str] | None = None) -> Iterator[str | None]:
+    """A warm process for the launches started while this is open, named in this
+    process's environment (ENV) so that they find it; stopped on the way out, and gone
+    with this process even if it is killed (PR_SET_PDEATHSIG). Yields its name, or None
+    where one is already named (an outer run's), PARABENCH_WARM=0 turns them off, or
+    setproctitle is not installed."""
+    # setproctitle: a forked launch shows its own command in ps and pgrep, not the warm
+    # process's; without it (a bare GPU image), launches start cold
+    if os.environ.get(ENV) or importlib.util.find_spec("setproctitle") is None:
+        yield None  # an outer run's, or 0: off
+        return
+    name = uuid.uuid4().hex
+    # Started as the launches' Python is: no working directory on sys.path (cli.main).
+    server_env = {**(os.environ if env is None else env), "PYTHONSAFEPATH": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "parabench.forkserver", name],
+        stdin=subprocess.DEVNULL,
+        env=server_env,
+        start_new_session=True,
+        preexec_fn=_die_with_parent,
+    )
+    os.environ[ENV] = name
+    try:
+        yield name
+    finally:
+        os.environ.pop(ENV, None)
+        with contextlib.suppress(ProcessLookupError):
+            proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def _die_with_parent() -> None:
+    with contextlib.suppress(OSError):
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
