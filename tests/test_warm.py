@@ -71,6 +71,11 @@ def test_a_warm_launch_runs_the_cell_a_cold_launch_runs(tmp_path, warm_env, stra
     assert steps(tmp_path / "warm") == steps(tmp_path / "cold")
     assert hot["world_size"] == cold["world_size"] == devices
     assert hot["threads_per_rank"] == cold["threads_per_rank"]
+    # the records say how it started, and the command, as a cold launch's records do
+    assert (hot["env"]["started"], cold["env"]["started"]) == ("warm", "cold")
+    command = [a.replace("/warm", "/cold") for a in hot["env"]["launch_command"]]
+    assert command == cold["env"]["launch_command"]
+    assert "parabench.torchrun" in command if devices > 1 else "run" in command
 
 
 def test_a_warm_launch_ends_as_a_cold_one_exit_code_signal_and_timeout(tmp_path, warm_env):

@@ -8,6 +8,7 @@ import importlib.util
 import os
 import platform
 import re
+import shlex
 import shutil
 import socket
 import subprocess
@@ -64,15 +65,22 @@ def git_commit(cwd: Path | None = None) -> str | None:
     return out.stdout.strip() + ("-dirty" if dirty else "")
 
 
+# Set in the environment of a launch forked from the run's warm process, which its ranks
+# inherit (parabench.forkserver): how the cell's processes started.
+STARTED = "PARABENCH_STARTED"
+
+
 def launch_command() -> list[str]:
     """The command that started this cell. Under torchrun that is the agent (our parent
     process), whose command line Linux exposes; otherwise our own."""
     if "TORCHELASTIC_RUN_ID" in os.environ:
         try:
             raw = Path(f"/proc/{os.getppid()}/cmdline").read_bytes()
-            return [a.decode() for a in raw.split(b"\0") if a]
         except OSError:
-            pass
+            return list(getattr(sys, "orig_argv", sys.argv))
+        argv = [a.decode() for a in raw.split(b"\0") if a]
+        # an agent forked warm shows its command as one quoted title (parabench.warm)
+        return shlex.split(argv[0]) if len(argv) == 1 else argv
     return list(getattr(sys, "orig_argv", sys.argv))
 
 
@@ -134,6 +142,8 @@ def base() -> dict:
         "slurm_oversubscribe": slurm_sharing(),
         "git_commit": git_commit(),
         "launch_command": launch_command(),
+        # forked from the run's warm process, or started as a new Python (parabench.warm)
+        "started": os.environ.get(STARTED, "cold"),
         "start_time": datetime.now(timezone.utc).isoformat(timespec="seconds"),
     }
 

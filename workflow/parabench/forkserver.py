@@ -21,6 +21,7 @@ import contextlib
 import json
 import os
 import selectors
+import shlex
 import signal
 import socket
 import sys
@@ -29,7 +30,7 @@ import traceback
 
 import setproctitle
 
-from parabench import warm
+from parabench import envinfo, warm
 
 # Every handler as a new Python has it (read before this process changes SIGINT's).
 _FRESH_HANDLERS = {
@@ -72,13 +73,16 @@ def _child(request: dict, fds: list[int], closing: list) -> None:
         for sig, handler in _FRESH_HANDLERS.items():
             signal.signal(sig, handler)
         argv = request["argv"]
-        # What ps and pgrep show: the launch's command, as a new Python's. Before the
-        # environment is replaced: setproctitle takes over its memory on first use.
-        setproctitle.setproctitle(" ".join(argv))
+        # What ps and pgrep show: the launch's command, shell-quoted, so that its ranks
+        # read it back whole (envinfo.launch_command). Before the environment is
+        # replaced: setproctitle takes over its memory on first use.
+        setproctitle.setproctitle(shlex.join(argv))
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])
+        os.environ[envinfo.STARTED] = "warm"  # what the records say of it
         sys.argv = [argv[0], *argv[3:]]
+        sys.orig_argv = list(argv)
         # As a new Python's on a pipe: stdout block-buffered, stderr by line
         sys.stdout = os.fdopen(1, "w", closefd=False)
         sys.stderr = os.fdopen(2, "w", closefd=False, errors="backslashreplace")
