@@ -347,6 +347,7 @@ OWN_MODELS = {
     "repeats": 1,
     "steps": 6,
     "warmup": 1,
+    "profile_steps": 1,  # no test of this sweep reads the anatomy: one profiled step
     "lr": 0.5,
     "timeout_s": 60,
     "cell_timeout_s": 240,
