@@ -356,12 +356,32 @@ OWN_MODELS = {
     "repeats": 1,
     "steps": 6,
     "warmup": 1,
+    "profile_steps": 1,  # no test of this sweep reads the anatomy: one profiled step
     "lr": 0.5,
     "timeout_s": 60,
     "cell_timeout_s": 240,
     "plan": {"enabled": False},
     "collectives": {"message_bytes": [65536]},  # a point of the curve is enough here
 }
+
+
+# OpenMP's idle threads spin while they wait for work. The test workers share the cores,
+# so a process's second thread spins on a core another worker's cell needs: the tiny
+# gpt's 2-thread `single` cell, beside another worker, timed its steps in 5.9 s and
+# launched in 29 s; with waiting threads asleep, 0.3 s and 11 s. Sleeping changes no
+# result: the same threads split the same work (its parameters the same to the bit).
+# In the environment of the processes a test starts: a module's (quiet_threads), or a
+# sweep's own (env=).
+QUIET_THREADS = {"OMP_WAIT_POLICY": "PASSIVE"}
+
+
+@pytest.fixture(scope="module")
+def quiet_threads():
+    """QUIET_THREADS in the environment of every process the module's tests start."""
+    with pytest.MonkeyPatch.context() as mp:
+        for key, value in QUIET_THREADS.items():
+            mp.setenv(key, value)
+        yield
 
 
 @pytest.fixture(scope="session")
@@ -372,7 +392,7 @@ def own_models_sweep(tmp_path_factory):
 
     work = tmp_path_factory.mktemp("own_models")
     shutil.copy(REPO / "examples" / "my_model.py", work / "my_model.py")
-    proc = snakemake(work, "--cores", "2", config=OWN_MODELS)
+    proc = snakemake(work, "--cores", "2", config=OWN_MODELS, env=QUIET_THREADS)
     assert proc.returncode == 0, proc.stderr[-4000:]
     summary = pd.read_csv(work / "results/summary.csv")
     return work, summary.set_index(["model", "strategy", "devices"])
