@@ -32,13 +32,25 @@ TINY_ENTRY = {"arch": "mlp", "dims": TINY_DIMS, "batch_size": 64}
 SGD_LR = 0.5
 
 
+# OpenMP's idle threads spin while they wait for work. The test workers share the cores,
+# so a process's second thread spins on a core another worker's cell needs: the tiny
+# gpt's 2-thread `single` cell, beside another worker, timed its steps in 5.9 s and
+# launched in 29 s; with waiting threads asleep, 0.3 s and 11 s. Sleeping changes no
+# result: the same threads split the same work (its parameters the same to the bit).
+QUIET_THREADS = {"OMP_WAIT_POLICY": "PASSIVE"}
+
+
 @pytest.fixture(scope="session", autouse=True)
 def warm_launches():
-    """Every launch of a test worker forked from one warm process, as a local run's are
-    (parabench.warm): Snakemake and the sweep use it rather than start their own. The
-    cold start, what a cluster's job makes, is tests/test_warm.py's (PARABENCH_WARM=0)."""
-    with warm.warm_process():
-        yield
+    """Every process a test worker starts with QUIET_THREADS, and every launch forked
+    from one warm process, as a local run's are (parabench.warm), which imported torch
+    with them (OpenMP reads them then): Snakemake and the sweep use it rather than start
+    their own. The cold start, a cluster job's, is tests/test_warm.py's."""
+    with pytest.MonkeyPatch.context() as mp:
+        for key, value in QUIET_THREADS.items():
+            mp.setenv(key, value)
+        with warm.warm_process():
+            yield
 
 
 def tiny_spec(strategy: str, devices: int, **kw) -> RunSpec:
@@ -365,25 +377,6 @@ OWN_MODELS = {
 }
 
 
-# OpenMP's idle threads spin while they wait for work. The test workers share the cores,
-# so a process's second thread spins on a core another worker's cell needs: the tiny
-# gpt's 2-thread `single` cell, beside another worker, timed its steps in 5.9 s and
-# launched in 29 s; with waiting threads asleep, 0.3 s and 11 s. Sleeping changes no
-# result: the same threads split the same work (its parameters the same to the bit).
-# In the environment of the processes a test starts: a module's (quiet_threads), or a
-# sweep's own (env=).
-QUIET_THREADS = {"OMP_WAIT_POLICY": "PASSIVE"}
-
-
-@pytest.fixture(scope="module")
-def quiet_threads():
-    """QUIET_THREADS in the environment of every process the module's tests start."""
-    with pytest.MonkeyPatch.context() as mp:
-        for key, value in QUIET_THREADS.items():
-            mp.setenv(key, value)
-        yield
-
-
 @pytest.fixture(scope="session")
 def own_models_sweep(tmp_path_factory):
     """(workdir, summary indexed by model, strategy, devices) of the OWN_MODELS sweep,
@@ -392,7 +385,7 @@ def own_models_sweep(tmp_path_factory):
 
     work = tmp_path_factory.mktemp("own_models")
     shutil.copy(REPO / "examples" / "my_model.py", work / "my_model.py")
-    proc = snakemake(work, "--cores", "2", config=OWN_MODELS, env=QUIET_THREADS)
+    proc = snakemake(work, "--cores", "2", config=OWN_MODELS)
     assert proc.returncode == 0, proc.stderr[-4000:]
     summary = pd.read_csv(work / "results/summary.csv")
     return work, summary.set_index(["model", "strategy", "devices"])

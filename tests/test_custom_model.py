@@ -15,7 +15,7 @@ from conftest import OWN_MODELS, planned_outputs, run_cell, snakemake, tiny_spec
 from parabench.checks import problems
 from parabench.spec import ModelSpec
 
-pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("quiet_threads")]
+pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")

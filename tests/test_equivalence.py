@@ -25,7 +25,7 @@ from conftest import (
 from parabench import equivalence
 from parabench.spec import ModelSpec
 
-pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("quiet_threads")]
+pytestmark = pytest.mark.slow
 
 TOL = 1e-6  # fp32 + SGD: float32 sums in another order differ by ~1e-8 here
 LR = SGD_LR

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -27,7 +26,7 @@ import pandas as pd
 import pytest
 import yaml
 
-from conftest import HF_INSTALLED, LLAMA, QUIET_THREADS, assert_cell_records
+from conftest import HF_INSTALLED, LLAMA, assert_cell_records
 from parabench.catalog import CATALOG, MESH_DIMS
 from parabench.models import build
 from parabench.models.stages import trace
@@ -78,7 +77,6 @@ def sweep(tmp_path_factory):
         capture_output=True,
         text=True,
         timeout=1500,
-        env={**os.environ, **QUIET_THREADS},
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = pd.read_csv(work / "results/summary.csv")

@@ -17,7 +17,7 @@ import pandas as pd
 import pytest
 import yaml
 
-from conftest import QUIET_THREADS, snakemake, tiny_config
+from conftest import snakemake, tiny_config
 from parabench import records, sweep
 from parabench.loop import PROFILED, plan
 from report_fixture import make_results
@@ -44,7 +44,7 @@ def test_one_failed_cell_leaves_the_sweep_whole(tmp_path):
         "--cores",
         "2",
         config=BASE,
-        env={**QUIET_THREADS, "PARABENCH_FAULT": "crash@tiny/ddp/n2/r0:rank=1:step=2"},
+        env={"PARABENCH_FAULT": "crash@tiny/ddp/n2/r0:rank=1:step=2"},
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = pd.read_csv(tmp_path / "results/summary.csv").set_index(["strategy", "devices"])
@@ -101,7 +101,7 @@ def metas(workdir):
 @pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL], ids=["SIGINT", "SIGKILL"])
 def test_interrupted_sweep_resumes_without_rerunning_finished_cells(tmp_path, sig):
-    proc = snakemake(tmp_path, "--cores", "1", config=INTERRUPTED, env=QUIET_THREADS, popen=True)
+    proc = snakemake(tmp_path, "--cores", "1", config=INTERRUPTED, popen=True)
     deadline = time.monotonic() + 180
     while len(metas(tmp_path)) < 2 if (tmp_path / "results/runs").exists() else True:
         assert time.monotonic() < deadline and proc.poll() is None, "sweep ended too soon"
@@ -134,7 +134,7 @@ def test_interrupted_sweep_resumes_without_rerunning_finished_cells(tmp_path, si
         unlock = snakemake(tmp_path, "--unlock", config=INTERRUPTED)
         assert unlock.returncode == 0, unlock.stderr[-2000:]
     # A plain rerun: profiles/default (keep-going, rerun-incomplete) applies here too.
-    rerun = snakemake(tmp_path, "--cores", "1", config=INTERRUPTED, env=QUIET_THREADS)
+    rerun = snakemake(tmp_path, "--cores", "1", config=INTERRUPTED)
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     after = metas(tmp_path)
     assert len(after) == CELLS

@@ -16,7 +16,7 @@ import pandas as pd
 import pytest
 import yaml
 
-from conftest import QUIET_THREADS, tiny_config
+from conftest import tiny_config
 from parabench import records
 from parabench.config import alone_ranks, load_config, measures
 
@@ -40,7 +40,6 @@ def sweep(workdir, *args, env=None):
         env={
             **os.environ,
             "PATH": f"{os.path.dirname(sys.executable)}{os.pathsep}{os.environ['PATH']}",
-            **QUIET_THREADS,
             **(env or {}),
         },
     )

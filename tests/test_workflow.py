@@ -8,7 +8,7 @@ runs only the new cells.
 import pandas as pd
 import pytest
 
-from conftest import QUIET_THREADS, planned_outputs, snakemake
+from conftest import planned_outputs, snakemake
 from parabench.loop import plan
 
 pytestmark = pytest.mark.slow
@@ -35,7 +35,7 @@ MEASURING = ("/runs/", "/collectives/", "ranks.csv", "plan.csv")
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("wf")
-    proc = snakemake(workdir, "--cores", "2", config=CONFIG, env=QUIET_THREADS)
+    proc = snakemake(workdir, "--cores", "2", config=CONFIG)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return workdir
 
@@ -250,9 +250,7 @@ def test_ranks_past_max_job_minutes_are_measured_in_parts_merged_in_order(tmp_pa
         "rank_timeout_s": 120,
         "max_job_minutes": 10,
     }
-    proc = snakemake(
-        tmp_path, "--cores", "1", "results/ranks.csv", config=config, env=QUIET_THREADS
-    )
+    proc = snakemake(tmp_path, "--cores", "1", "results/ranks.csv", config=config)
     assert proc.returncode == 0, proc.stderr[-3000:]
     parts = sorted((tmp_path / "results/ranks").glob("part*of2/ranks.csv"))
     assert len(parts) == 2, parts
