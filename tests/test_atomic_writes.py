@@ -24,6 +24,8 @@ ALLOWED = {
     "temporary one then link(2), or O_EXCL where link(2) is refused, removed if half-written",
     ("lock.py", "_create"): "that O_EXCL holder file: created only if absent, removed if "
     "half-written, and an unreadable holder is refused, never taken for a result",
+    ("forkserver.py", "_child"): "a forked launch's stdout and stderr (file descriptors 1 "
+    "and 2, its guard's pipe) as a new Python's: streams, not files",
     ("lock.py", "_open"): "the lock file: created empty and opened read-write only because "
     "flock over NFS is a write lock; nothing is written into it",
 }
