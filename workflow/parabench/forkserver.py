@@ -32,13 +32,6 @@ import setproctitle
 
 from parabench import envinfo, warm
 
-# Every handler as a new Python has it (read before this process changes SIGINT's).
-_FRESH_HANDLERS = {
-    sig: handler
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGPIPE)
-    if (handler := signal.getsignal(sig)) is not None
-}
-
 
 def _preload() -> str | None:
     """Import what the forked processes run; why forking would be unsafe, if it is."""
@@ -66,12 +59,13 @@ def _child(request: dict, fds: list[int], closing: list) -> None:
         for s in closing:  # the warm process's sockets and selector
             s.close()
         os.setsid()
-        _die_with_parent()
+        warm.die_with_parent()
         for target, fd in zip((0, 1, 2), fds, strict=True):
             os.dup2(fd, target)
         _close(fds)
-        for sig, handler in _FRESH_HANDLERS.items():
-            signal.signal(sig, handler)
+        from parabench import torchrun  # imported by _preload, before SIGINT was ignored
+
+        torchrun.restore_fresh_handlers()
         argv = request["argv"]
         # What ps and pgrep show: the launch's command, shell-quoted, so that its ranks
         # read it back whole (envinfo.launch_command). Before the environment is
@@ -88,8 +82,6 @@ def _child(request: dict, fds: list[int], closing: list) -> None:
         sys.stderr = os.fdopen(2, "w", closefd=False, errors="backslashreplace")
         sys.stderr.reconfigure(line_buffering=True)
         if argv[2] == "parabench.torchrun":
-            from parabench import torchrun
-
             torchrun.main(argv[3:])
         else:
             from parabench import cli
@@ -107,12 +99,6 @@ def _child(request: dict, fds: list[int], closing: list) -> None:
             sys.stderr.flush()
         finally:
             os._exit(code)
-
-
-def _die_with_parent() -> None:
-    import ctypes
-
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 def _receive(conn: socket.socket) -> tuple[dict, list[int]]:
@@ -148,7 +134,7 @@ def _refusal(request: dict, env_at_import: dict[str, str]) -> str | None:
 
 
 def serve(name: str) -> None:
-    _die_with_parent()
+    warm.die_with_parent()
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(warm._address(name))
     listener.listen(64)

@@ -99,17 +99,6 @@ def root_cause(lines: list[str], errors: list[dict], world: int | None) -> str:
     return cause
 
 
-def _die_with_parent() -> None:
-    """In the child, before exec: get SIGTERM when the guard dies, even by SIGKILL, so a
-    killed sweep leaves no torchrun behind writing into a cell being rerun (Linux)."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-
-
 def describe_exit(rc: int) -> str:
     """How a process ended: its exit code, or the signal that killed it."""
     if rc < 0:
@@ -242,7 +231,7 @@ def start(cmd: list[str]) -> subprocess.Popen | warm.WarmProcess:
         text=True,
         errors="replace",
         start_new_session=True,
-        preexec_fn=_die_with_parent,
+        preexec_fn=warm.die_with_parent,
     )
 
 

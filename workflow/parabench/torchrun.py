@@ -59,11 +59,17 @@ _FRESH_HANDLERS = {
 }
 
 
-def _rank(*argv: str) -> None:
-    """A forked rank: what `python -m parabench <argv>` would run."""
+def restore_fresh_handlers() -> None:
+    """Every signal handler as a new Python has it, in a process forked from one that
+    changed some (torchrun's agent; the run's warm process, parabench.forkserver)."""
     for sig, handler in _FRESH_HANDLERS.items():
         if signal.getsignal(sig) is not handler:
             signal.signal(sig, handler)
+
+
+def _rank(*argv: str) -> None:
+    """A forked rank: what `python -m parabench <argv>` would run."""
+    restore_fresh_handlers()
     # As a rank's output reaches the log line by line when the agent spawns it (the
     # guard reads it through a pipe and names the last lines of a failure).
     sys.stdout.reconfigure(line_buffering=True)

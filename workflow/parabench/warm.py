@@ -212,7 +212,7 @@ def warm_process(env: dict[str, str] | None = None) -> Iterator[str | None]:
         stdin=subprocess.DEVNULL,
         env=server_env,
         start_new_session=True,
-        preexec_fn=_die_with_parent,
+        preexec_fn=die_with_parent,
     )
     os.environ[ENV] = name
     try:
@@ -228,7 +228,10 @@ def warm_process(env: dict[str, str] | None = None) -> Iterator[str | None]:
             proc.wait()
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
+    """In a child, before it runs: get SIGTERM when its parent dies, even by SIGKILL, so
+    that a killed run leaves no process behind writing into a cell being rerun (Linux:
+    PR_SET_PDEATHSIG; elsewhere nothing)."""
     with contextlib.suppress(OSError):
         import ctypes
 
