@@ -19,10 +19,15 @@ ARGS   ?=
 PYTEST_WORKERS ?= -n 2 --dist loadfile
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.parabench-installed
-# The tests' extra (Holistic Trace Analysis), which the default run does not need. The
-# default run needs transformers (the `hf` extra): its advise check builds Llama 3.1
-# shapes (torchtitan's published runs) on fake tensors.
-HF_STAMP := $(VENV)/.parabench-hf-installed
+# What make run installs: the workflow, and transformers (the `hf` extra: the default
+# run's advise check builds Llama 3.1 shapes, torchtitan's published runs, on fake
+# tensors). The tests' and lint's tools (`dev`) and Holistic Trace Analysis (`trace`),
+# which the run does not need, come with make test and make lint only.
+DEV_STAMP := $(VENV)/.parabench-dev-installed
+# --no-compile: pip would byte-compile every file it installs (transformers, pandas,
+# matplotlib: most never imported here), a third of the set-up on two cores; Python
+# compiles what is imported, once, as it imports it.
+PIP_INSTALL := -m pip install -q --no-compile
 
 # The GPU check runs with whatever python has a CUDA torch: the venv's if there is one,
 # else python3 (a GPU image with torch, pandas, seaborn, jinja2, pyyaml and jsonschema needs
@@ -45,33 +50,33 @@ TORCH_MIN_TESTS := tests/test_equivalence.py tests/test_layouts.py tests/test_cu
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(if $(TORCH),$(BIN)/python -m pip install -q "$(TORCH)")
-	$(BIN)/python -m pip install -q -e ".[workflow,dev,hf]"
+	$(if $(TORCH),$(BIN)/python $(PIP_INSTALL) "$(TORCH)")
+	$(BIN)/python $(PIP_INSTALL) -e ".[workflow,hf]"
 	touch $@
 
 # TORCH_MIN named again: installing the package must not replace that torch.
 $(MIN_STAMP): pyproject.toml
 	test -x $(MIN_VENV)/bin/python || $(PYTHON) -m venv $(MIN_VENV)
-	$(MIN_VENV)/bin/python -m pip install -q "$(TORCH_MIN)"
-	$(MIN_VENV)/bin/python -m pip install -q -e ".[workflow,dev,hf]" "$(TORCH_MIN)"
+	$(MIN_VENV)/bin/python $(PIP_INSTALL) "$(TORCH_MIN)"
+	$(MIN_VENV)/bin/python $(PIP_INSTALL) -e ".[workflow,dev,hf]" "$(TORCH_MIN)"
 	touch $@
 
-$(HF_STAMP): $(STAMP)
-	$(BIN)/python -m pip install -q -e ".[workflow,dev,hf,trace]"
+$(DEV_STAMP): $(STAMP)
+	$(BIN)/python $(PIP_INSTALL) -e ".[workflow,hf,dev,trace]"
 	touch $@
 
 run: $(STAMP)
 	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/snakemake --cores $(CORES) $(ARGS)
 	@echo "report: results/report.html"
 
-lint: $(STAMP)
+lint: $(DEV_STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/lint-imports
 	$(BIN)/ruff format --check .
 	$(BIN)/snakefmt --check Snakefile workflow/rules/
 	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/snakemake --lint
 
-test: $(STAMP) $(HF_STAMP) lint
+test: $(DEV_STAMP) lint
 	tests/setup-system.sh
 	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python -m pytest -q -ra $(PYTEST_WORKERS)
 
