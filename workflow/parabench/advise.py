@@ -632,11 +632,11 @@ def run(
     fabric: Fabric,
     out: Path,
     log: Callable[[str], None] = print,
-    workers: int = 1,
+    pool=None,
 ) -> list[dict]:
     """Advise on every model of the config's `advise` section at each of its GPU counts:
     out/advise.csv, rewritten after each (model, N), so a crash loses none done before.
-    `workers`: processes the layouts are searched in."""
+    `pool`: processes the layouts are searched in (`pool`), None for this one alone."""
     from parabench.config import model_spec
 
     adv = config["advise"]
@@ -646,15 +646,14 @@ def run(
         specs, gpu, fabric, adv.get("precision", "bf16"), adv.get("optimizer", "adamw"), log
     )
     rows: list[dict] = []
-    with _pool(workers) as pool:
-        for name in names:
-            rows += _advise_model(searcher, config, name, pool, out, rows, log)
+    for name in names:
+        rows += _advise_model(searcher, config, name, pool, out, rows, log)
     write(rows, out)
     return rows
 
 
 @contextlib.contextmanager
-def _pool(workers: int):
+def pool(workers: int):
     """Processes the layouts are searched in (spawned: each measures on fake tensors
     under its own fake process group), or None for this process alone."""
     if workers < 2:
@@ -711,14 +710,21 @@ def _advise_model(
     return rows
 
 
-def check_torchtitan(gpu: GPU, fabric: Fabric, log: Callable[[str], None] = print) -> list[dict]:
+def check_torchtitan(
+    gpu: GPU, fabric: Fabric, log: Callable[[str], None] = print, pool=None
+) -> list[dict]:
     """Each of torchtitan's published runs (published.TORCHTITAN_TABLES), its layout
-    measured and predicted as advise does any candidate, beside what it reported."""
+    measured and predicted as advise does any candidate, beside what it reported; the
+    runs side by side in `pool`'s processes where given."""
     from parabench.config import model_spec
     from parabench.published import TORCHTITAN_SOURCE, TORCHTITAN_TABLES, llama3_model
 
     specs = {t["model"]: model_spec(llama3_model(t["model"])) for t in TORCHTITAN_TABLES}
     searcher = Search(specs, gpu, fabric, "bf16", "adamw", log)
+    futures = {
+        t["table"]: pool.submit(_torchtitan_row, searcher, specs[t["model"]], t)
+        for t in (TORCHTITAN_TABLES if pool else ())
+    }
     rows = []
     for t in TORCHTITAN_TABLES:
         published = {
@@ -731,7 +737,10 @@ def check_torchtitan(gpu: GPU, fabric: Fabric, log: Callable[[str], None] = prin
             "not_modelled": t["not_modelled"],
         }
         try:
-            row = _torchtitan_row(searcher, specs[t["model"]], t)
+            if fut := futures.get(t["table"]):
+                row = fut.result()
+            else:
+                row = _torchtitan_row(searcher, specs[t["model"]], t)
         except Exception as e:  # transformers missing, say: a row that says so
             rows.append({**published, "status": "failed", "reason": _why(e)})
             log(f"torchtitan {t['table']}: failed: {e}")

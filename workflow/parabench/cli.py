@@ -573,19 +573,24 @@ def _advise(args: argparse.Namespace) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     from parabench import envinfo
 
-    large = max(adv["gpus"]) >= 64  # a few seconds of search below it: one process
+    torchtitan = args.torchtitan or adv.get("torchtitan")
+    # Each worker imports torch (seconds): worth it from tens of layouts (N = 4 has 44
+    # for a GPT, each measured in about a second) or torchtitan's four runs (several
+    # seconds each); a search at 1 or 2 GPUs is done sooner in this process.
+    large = max(adv["gpus"]) >= 4 or torchtitan
     workers = args.workers or (envinfo.usable_cores() if large else 1)
     # Each (model, N) and each torchtitan run that fails is a row saying why (advise.run,
     # check_torchtitan): the tables are written whatever fails, and the report says it.
-    advise.run(config, gpu, fabric, args.out, workers=workers)
-    print(f"advise: {args.out / 'advise.csv'} (gpu {gpu.name}, fabric {fabric.name})")
-    if args.torchtitan or adv.get("torchtitan"):
-        from parabench.records import TORCHTITAN_COLUMNS, write_rows
+    with advise.pool(workers) as pool:
+        advise.run(config, gpu, fabric, args.out, pool=pool)
+        print(f"advise: {args.out / 'advise.csv'} (gpu {gpu.name}, fabric {fabric.name})")
+        if torchtitan:
+            from parabench.records import TORCHTITAN_COLUMNS, write_rows
 
-        # torchtitan's runs are on its GPU and fabric, whatever the config advises on
-        checked = advise.check_torchtitan(
-            resolve_gpu("h100-96gb-500w"), resolve("h100-nvlink-ndr400")
-        )
-        write_rows(args.out / "advise-torchtitan.csv", TORCHTITAN_COLUMNS, checked)
-        print(f"advise: {args.out / 'advise-torchtitan.csv'}")
+            # torchtitan's runs are on its GPU and fabric, whatever the config advises on
+            checked = advise.check_torchtitan(
+                resolve_gpu("h100-96gb-500w"), resolve("h100-nvlink-ndr400"), pool=pool
+            )
+            write_rows(args.out / "advise-torchtitan.csv", TORCHTITAN_COLUMNS, checked)
+            print(f"advise: {args.out / 'advise-torchtitan.csv'}")
     return 0
