@@ -8,12 +8,14 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import time
 
 import pytest
 
 from conftest import launch_argv, tiny_spec
 from parabench import warm
+from parabench.launch import cell_argv
 
 
 @pytest.fixture(scope="module")
@@ -129,3 +131,43 @@ def test_a_launch_torch_would_import_differently_starts_cold_and_says_why(tmp_pa
         "parabench guard: cold start: warm start refused: torch was imported with other "
         "TORCH_SHOW_CPP_STACKTRACES" in proc.stderr
     ), proc.stderr[-2000:]
+
+
+def test_a_jobs_own_command_runs_warm_with_its_exit_code_and_goes_when_stopped(tmp_path, warm_env):
+    """A job whose command imports torch itself (advise) starts it through `python -m
+    parabench.warm`: forked from the warm process, its exit status the job's; the job
+    stopped (Snakemake's SIGTERM), the command goes too."""
+    # `python` as the rules name it: the PATH's, this one (make test's PATH)
+    path = f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}"
+    warm_env = {**warm_env, "PATH": path}
+    advise = ["python", "-m", "parabench", "advise", "--gpus", "x", "--out", str(tmp_path)]
+    bad = subprocess.run(
+        [sys.executable, "-m", "parabench.warm", *advise],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=warm_env,
+    )
+    assert bad.returncode == 2, bad.stderr[-2000:]
+    assert "parabench: warm start, pid" in bad.stderr, bad.stderr[-2000:]
+    assert "argument --gpus: invalid int value: 'x'" in bad.stderr
+    out = tmp_path / "cell"
+    job = subprocess.Popen(
+        [sys.executable, "-m", "parabench.warm", *cell_argv(tiny_spec("single", 1), out)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**warm_env, "PARABENCH_FAULT": "hang@tiny/single/n1/r0:rank=0:step=1"},
+    )
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:  # the job and the command it forked
+        found = subprocess.run(["pgrep", "-f", str(out)], capture_output=True, text=True)
+        if len(found.stdout.split()) >= 2:
+            break
+        time.sleep(0.2)
+    else:
+        pytest.fail("the command never showed up")
+    job.send_signal(signal.SIGTERM)
+    assert job.wait(30) == 128 + signal.SIGTERM
+    assert "parabench: warm start, pid" in job.stderr.read()
+    assert gone(out, 15), "the command outlived its job"

@@ -281,6 +281,7 @@ class Counting(TorchDispatchMode):
 # step, most from autograd's checks), none of them work or an allocation.
 _DEVICE = torch.ops.prim.device.default
 
+
 @functools.cache
 def _op(func) -> tuple[str, bool, object]:
     """What Counting reads of an op, once per op rather than once per call: its name,

@@ -19,6 +19,7 @@ import sys
 import time
 from pathlib import Path
 
+from parabench import warm
 from parabench.spec import RunSpec
 
 # torchrun with its ranks forked from a warm agent (see parabench.torchrun); it takes
@@ -183,7 +184,10 @@ def advise_command(
     """`parabench advise ...`: advise.csv (and advise-torchtitan.csv where asked) for
     the rule and the sweep; `collectives`: the curves to read (fabric `curves`)."""
     curves = ["--collectives", str(collectives)] if collectives else []
-    return [python, "-m", "parabench", "advise", *_config_args(config), *curves, "--out", str(out)]
+    # through parabench.warm: advise imports torch itself, so it is forked from the run's
+    # warm process where there is one (as ranks' and plan's measuring children are)
+    advise = [python, "-m", "parabench", "advise", *_config_args(config), *curves]
+    return [python, "-m", "parabench.warm", *advise, "--out", str(out)]
 
 
 def _config_args(config: dict) -> list[str]:
@@ -334,7 +338,7 @@ def _while_writing(argv: list[str], path: Path, timeout_s: float) -> int | None:
             return None
         return st.st_ino, st.st_mtime_ns
 
-    proc = subprocess.Popen(argv)
+    proc = warm.popen(argv)  # forked from the run's warm process where there is one
     try:
         seen, deadline = stamp(), time.monotonic() + timeout_s
         while True:

@@ -29,6 +29,7 @@ import contextlib
 import importlib.util
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -126,6 +127,11 @@ class WarmProcess:
             self._conn.close()
         return self.returncode
 
+    def kill(self) -> None:
+        """SIGKILL to the launch's process group (it runs in a session of its own)."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.pid, signal.SIGKILL)
+
     def wait(self, timeout: float | None = None) -> int:
         deadline = None if timeout is None else time.monotonic() + timeout
         while self.poll() is None:
@@ -146,10 +152,13 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def spawn(argv: list[str], env: dict[str, str] | None = None) -> WarmProcess | str:
+def spawn(
+    argv: list[str], env: dict[str, str] | None = None, inherit: bool = False
+) -> WarmProcess | str:
     """Fork `argv` from the run's warm process, its output to a new pipe (the returned
-    process's `stdout`, text), in this directory and environment; or, where it cannot,
-    why (a sentence for the log), and the caller starts it cold."""
+    process's `stdout`, text) or, `inherit`, to this process's stdout and stderr, in
+    this directory and environment; or, where it cannot, why (a sentence for the log),
+    and the caller starts it cold."""
     env = dict(os.environ if env is None else env)
     name = env.get(ENV)
     if not name or name == "0":
@@ -166,7 +175,8 @@ def spawn(argv: list[str], env: dict[str, str] | None = None) -> WarmProcess | s
     stdin = os.open(os.devnull, os.O_RDONLY)  # as the guard's Popen: no input
     try:
         request = json.dumps({"argv": argv, "cwd": os.getcwd(), "env": env}).encode()
-        fds = array.array("i", [stdin, write_end, write_end])
+        out = [1, 2] if inherit else [write_end, write_end]
+        fds = array.array("i", [stdin, *out])
         header = len(request).to_bytes(8, "big")
         conn.sendmsg([header], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, fds)])
         conn.sendall(request)
@@ -188,8 +198,46 @@ def spawn(argv: list[str], env: dict[str, str] | None = None) -> WarmProcess | s
         conn.close()
         os.close(read_end)
         return reply
+    if inherit:
+        os.close(read_end)
+        return WarmProcess(conn, int(reply), None)
     stdout = os.fdopen(read_end, "r", errors="replace")
     return WarmProcess(conn, int(reply), stdout)
+
+
+def popen(argv: list[str]) -> subprocess.Popen | WarmProcess:
+    """`argv` with this process's standard streams: forked from the run's warm process
+    where it can be, else a new process (why, on stderr, where there is a warm process).
+    Either ends with this one (PR_SET_PDEATHSIG; the warm process kills a fork whose
+    caller has gone)."""
+    proc = spawn(argv, inherit=True)
+    if isinstance(proc, WarmProcess):
+        print(f"parabench: warm start, pid {proc.pid}", file=sys.stderr, flush=True)
+        return proc
+    if proc != NO_WARM_PROCESS:
+        print(f"parabench: cold start: {proc}", file=sys.stderr, flush=True)
+    return subprocess.Popen(argv, stdin=subprocess.DEVNULL, preexec_fn=die_with_parent)
+
+
+def main(argv: list[str]) -> int:
+    """`python -m parabench.warm python -m parabench COMMAND ...`: the command, warm
+    where it can be (popen), its exit status this process's (128 + a signal's number
+    where one ended it, as a shell says it). A job's command that imports torch itself
+    (advise) is started so; interrupted, it is killed."""
+    os.environ.setdefault("PYTHONSAFEPATH", "1")  # as every parabench command (cli.main)
+    # `python` on the PATH, as the rules name it, is this interpreter: named as the warm
+    # process names its own, which forks only what runs on it
+    exe = shutil.which(argv[0])
+    if exe and os.path.samefile(exe, sys.executable):
+        argv = [sys.executable, *argv[1:]]
+    proc = popen(argv)
+    try:
+        code = proc.wait()
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        raise
+    return code if code >= 0 else 128 - code
 
 
 @contextlib.contextmanager
@@ -236,3 +284,8 @@ def die_with_parent() -> None:
         import ctypes
 
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+if __name__ == "__main__":
+    signal.signal(signal.SIGTERM, lambda sig, frame: sys.exit(128 + sig))
+    sys.exit(main(sys.argv[1:]))
