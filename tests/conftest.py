@@ -3,15 +3,19 @@ launching real cells (torchrun ranks where the strategy has them)."""
 
 from __future__ import annotations
 
+import fcntl
 import importlib.util
 import json
 import os
+import pickle
 import re
 import shutil
 import subprocess
 import sys
+import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import NoReturn
+from typing import NoReturn, TypeVar
 
 import pytest
 import torch
@@ -21,6 +25,7 @@ from parabench import launch, warm
 from parabench.spec import ModelSpec, RunSpec
 
 REPO = Path(__file__).resolve().parents[1]
+T = TypeVar("T")
 # Small enough for 2 cores, deep enough (6 blocks) to cut into 4 stages.
 TINY_DIMS = [48, 32, 24, 16, 8, 4, 1]
 TINY_MLP = ModelSpec.of("mlp", dims=TINY_DIMS)
@@ -51,6 +56,46 @@ def warm_launches():
             mp.setenv(key, value)
         with warm.warm_process():
             yield
+
+
+def once_per_session(name: str, make: Callable[[], T]) -> T:
+    """`make()`, made once per test session by whichever worker asks first and read by
+    the others (pickled under the run's id, behind a lock): work that several files
+    need, which `--dist loadfile` puts in different workers. Without xdist, once per
+    process."""
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    if not run:
+        if name not in _MADE:
+            _MADE[name] = make()
+        return _MADE[name]
+    path = Path(tempfile.gettempdir()) / f"parabench-tests-{run}" / f"{name}.pickle"
+    path.parent.mkdir(exist_ok=True)
+    with open(path.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # the others wait for the first
+        if not path.exists():
+            path.write_bytes(pickle.dumps(make()))
+        return pickle.loads(path.read_bytes())
+
+
+_MADE: dict = {}
+
+
+def torchtitan_rows() -> list[dict]:
+    """advise's check of torchtitan's published runs, as the CLI runs it (tens of
+    seconds): test_advise's and the report's."""
+    from parabench import advise, gpus
+    from parabench.fabric import PROFILES
+
+    return once_per_session(
+        "torchtitan",
+        lambda: advise.check_torchtitan(
+            gpus.PROFILES["h100-96gb-500w"], PROFILES["h100-nvlink-ndr400"], log=_quiet
+        ),
+    )
+
+
+def _quiet(line: str) -> None:
+    pass
 
 
 def tiny_spec(strategy: str, devices: int, **kw) -> RunSpec:

@@ -3,14 +3,13 @@ by the real code. Hostile strings sit where results carry free text."""
 
 from __future__ import annotations
 
-import functools
 import io
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-from conftest import REPO
+from conftest import REPO, torchtitan_rows
 from parabench import records
 from parabench.aggregate import aggregate
 from parabench.flops import model_facts
@@ -127,16 +126,6 @@ def make_results(
     return metas
 
 
-@functools.cache
-def _torchtitan() -> tuple[dict, ...]:
-    from parabench import advise, gpus
-    from parabench.fabric import PROFILES
-
-    return tuple(
-        advise.check_torchtitan(gpus.PROFILES["h100-96gb-500w"], PROFILES["h100-nvlink-ndr400"])
-    )
-
-
 def advise_results(root: Path) -> None:
     """advise.csv for the fixture's model at 4 and 64 GPUs, and the torchtitan check,
     by the real search (fake tensors: seconds)."""
@@ -151,7 +140,7 @@ def advise_results(root: Path) -> None:
         config, gpus.PROFILES["h100"], PROFILES["h100-nvlink-ndr400"], root, log=lambda _: None
     )
     records.write_rows(
-        root / "advise-torchtitan.csv", records.TORCHTITAN_COLUMNS, list(_torchtitan())
+        root / "advise-torchtitan.csv", records.TORCHTITAN_COLUMNS, torchtitan_rows()
     )
 
 

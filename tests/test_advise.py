@@ -25,6 +25,7 @@ import pytest
 import torch
 from test_layouts import GPT, derived
 
+import conftest
 from conftest import REPO
 from parabench import advise, fakerank, gpus
 from parabench.fabric import PROFILES
@@ -257,7 +258,7 @@ def test_a_config_advise_cannot_use_is_refused_naming_its_key(tmp_path):
 
 @pytest.fixture(scope="module")
 def torchtitan_rows() -> list[dict]:
-    return advise.check_torchtitan(gpus.PROFILES["h100-96gb-500w"], PROFILES["h100-nvlink-ndr400"])
+    return conftest.torchtitan_rows()
 
 
 def test_torchtitans_runs_are_predicted_as_stated(torchtitan_rows):
