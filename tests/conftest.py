@@ -4,6 +4,7 @@ launching real cells (torchrun ranks where the strategy has them)."""
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import importlib.util
 import json
 import os
@@ -171,16 +172,21 @@ def run_cell(
 
 @pytest.fixture(scope="session")
 def cells(tmp_path_factory):
-    """`cells(spec)` -> (meta, proc, out): each spec launched once per session. Tests
-    that only read a cell's records share its launch (most of a cell's cost on CPU is
-    starting its processes); a test that changes the spec gets a launch of its own."""
+    """`cells(spec)` -> (meta, proc, out): each spec launched once per session, whichever
+    worker asks first (once_per_session). Tests that only read a cell's records share
+    its launch (most of a cell's cost on CPU is starting its processes); a test that
+    changes the spec gets a launch of its own."""
     done: dict[RunSpec, tuple[dict, subprocess.CompletedProcess, Path]] = {}
 
     def run(spec: RunSpec, timeout: float = 180) -> tuple[dict, subprocess.CompletedProcess, Path]:
-        if spec not in done:
+        def launch() -> tuple[dict, subprocess.CompletedProcess, Path]:
             out = tmp_path_factory.mktemp(f"{spec.strategy}-n{spec.devices}")
             meta, proc = run_cell(spec, out, timeout)
-            done[spec] = (meta, proc, out)
+            return meta, proc, out
+
+        if spec not in done:
+            name = hashlib.sha256(repr(spec).encode()).hexdigest()[:16]
+            done[spec] = once_per_session(f"cell-{name}", launch)
         return done[spec]
 
     return run
