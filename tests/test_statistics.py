@@ -107,7 +107,14 @@ def test_speedup_interval_contains_the_true_speedup_and_excludes_one():
 
 @pytest.mark.parametrize(
     "lo, hi, expected",
-    [(0.7, 0.9, "faster"), (1.1, 1.4, "slower"), (0.95, 1.05, "indistinguishable")],
+    [
+        (0.7, 0.9, "faster"),
+        (1.1, 1.4, "slower"),
+        (0.95, 1.05, "indistinguishable"),
+        # an interval that reaches 1 does not exclude "no change"
+        (0.9, 1.0, "indistinguishable"),
+        (1.0, 1.1, "indistinguishable"),
+    ],
 )
 def test_verdicts(lo, hi, expected):
     assert st.verdict(lo, hi) == expected
@@ -116,6 +123,12 @@ def test_verdicts(lo, hi, expected):
 def test_separated_intervals():
     assert st.separated((1.0, 1.2), (1.3, 1.5))
     assert not st.separated((1.0, 1.3), (1.2, 1.5))
+    assert st.separated((1.3, 1.5), (1.0, 1.2)), "either order"
+    assert not st.separated((1.2, 1.5), (1.0, 1.3)), "either order"
+    assert not st.separated((1.0, 2.0), (0.5, 1.5)), "one holds the other's upper end"
+    # intervals that touch share a value: not separated
+    assert not st.separated((1.0, 1.2), (1.2, 1.5))
+    assert not st.separated((1.2, 1.5), (1.0, 1.2))
 
 
 def exact_median_cdf(n: int, j: np.ndarray) -> np.ndarray:
