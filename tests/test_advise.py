@@ -506,6 +506,25 @@ def test_a_pipelines_step_adds_its_fill_and_drain():
     assert got["samples_per_s_per_gpu"] == pytest.approx(1 * 4 * 2 / 1.5 / 8)
 
 
+def test_a_pipelines_transfers_are_priced_on_the_link_between_its_stages():
+    """PP 2 x TP 2 on a node of 4: the stages' ranks are 2 apart, within the node
+    (0.1 GB at 4 GB/s: 0.025 s each way); PP 3 on a flat 1 GB/s fabric: two boundaries,
+    each filled and drained (4 x 0.1 s)."""
+    m = _measured(_work(0.1, 0.05), boundary_bytes=10**8)
+    c = _candidate(pp=2, tp=2, accumulation=4, schedule="1f1b")
+    assert advise.predict(c, m, UNIT_GPU, UNIT_FABRIC, 0)["comm_s"] == pytest.approx(2 * 0.025)
+    flat = Fabric("flat", "by hand", {"any": BusbwTable((1.0,), (1e9,), 0.0)})
+    c = _candidate(pp=3, accumulation=4, schedule="1f1b")
+    assert advise.predict(c, m, UNIT_GPU, flat, 0)["comm_s"] == pytest.approx(4 * 0.1)
+
+
+def test_a_peak_of_exactly_the_usable_memory_fits():
+    card = 80 * 2**30
+    assert gpus.fits(gpus.usable(card), card) is True
+    assert gpus.fits(gpus.usable(card) + 1, card) is False
+    assert gpus.fits(1, None) is None
+
+
 def test_a_pipelines_first_stage_holds_the_schedules_micro_batches():
     assert advise.in_flight(_candidate(accumulation=8)) == 1  # no pipeline: one at a time
     assert advise.in_flight(_candidate(pp=4, accumulation=8, schedule="1f1b")) == 4
@@ -517,13 +536,13 @@ def test_a_pipelines_first_stage_holds_the_schedules_micro_batches():
 @pytest.mark.parametrize(
     "row, expected",
     [
-        ({"fits": False, "comm_s": 0.0, "bubble_s": 0.0, "step_s": 1.0}, "memory"),
-        ({"fits": None, "comm_s": 0.09, "bubble_s": 0.05, "step_s": 1.0}, "compute"),
-        ({"fits": True, "comm_s": 0.1, "bubble_s": 0.05, "step_s": 1.0}, "exposed communication"),
-        ({"fits": True, "comm_s": 0.05, "bubble_s": 0.1, "step_s": 1.0}, "bubble"),
-        ({"comm_s": 0.3, "bubble_s": 0.3, "step_s": 1.0}, "exposed communication"),
-        ({"comm_s": 0.3, "step_s": 1.0}, "exposed communication"),
-        ({"bubble_s": 0.3, "step_s": 1.0}, "bubble"),
+        ({"fits": False, "comm_s": 0.0, "bubble_s": 0.0, "step_s": 2.0}, "memory"),
+        ({"fits": None, "comm_s": 0.19, "bubble_s": 0.1, "step_s": 2.0}, "compute"),
+        ({"fits": True, "comm_s": 0.2, "bubble_s": 0.1, "step_s": 2.0}, "exposed communication"),
+        ({"fits": True, "comm_s": 0.1, "bubble_s": 0.2, "step_s": 2.0}, "bubble"),
+        ({"comm_s": 0.6, "bubble_s": 0.6, "step_s": 2.0}, "exposed communication"),
+        ({"comm_s": 0.6, "step_s": 2.0}, "exposed communication"),
+        ({"bubble_s": 0.6, "step_s": 2.0}, "bubble"),
     ],
 )
 def test_the_binding_term_is_the_larger_of_a_tenth_of_the_step(row, expected):

@@ -44,6 +44,8 @@ tests=(
     tests/test_advise.py::test_a_step_is_priced_from_its_ranks_work_and_the_fabric
     tests/test_advise.py::test_ranks_sharing_cores_compute_in_turn
     tests/test_advise.py::test_a_pipelines_step_adds_its_fill_and_drain
+    tests/test_advise.py::test_a_pipelines_transfers_are_priced_on_the_link_between_its_stages
+    tests/test_advise.py::test_a_peak_of_exactly_the_usable_memory_fits
     tests/test_advise.py::test_a_pipelines_first_stage_holds_the_schedules_micro_batches
     tests/test_advise.py::test_the_binding_term_is_the_larger_of_a_tenth_of_the_step
     tests/test_advise.py::test_the_largest_fit_is_found_by_bisection
