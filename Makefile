@@ -46,7 +46,7 @@ MIN_STAMP      := $(MIN_VENV)/.parabench-installed
 TORCH_MIN_TESTS := tests/test_equivalence.py tests/test_layouts.py tests/test_cuda_paths.py \
 	tests/test_cli_cells.py tests/test_models.py tests/test_hf.py
 
-.PHONY: run test test-torch-min lint bench gpu-check clean
+.PHONY: run test test-torch-min lint bench gpu-check mutation clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -90,6 +90,12 @@ bench: $(STAMP)
 	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python benchmarks/sharded_overhead.py
 	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python benchmarks/collectives_overhead.py
 	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python benchmarks/launch_overhead.py
+
+# One mutation-testing pass over the core (issue 47; not in CI): docs/design/mutation.md.
+# ARGS: mutmut's names of some mutants to run again, e.g. ARGS='parabench.stats.x_verdict__*'
+mutation: $(STAMP)
+	$(BIN)/python -m pip install -q "mutmut>=3.8,<4"
+	PYTHON="$(abspath $(BIN))/python" tools/mutation.sh $(ARGS)
 
 gpu-check:
 	PYTHONPATH="$(abspath workflow):$$PYTHONPATH" $(GPU_PYTHON) -m parabench sweep \

@@ -15,8 +15,10 @@ thing where the real thing runs here; the search and its table.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
+import math
 import subprocess
 import sys
 
@@ -28,7 +30,7 @@ from test_layouts import GPT, derived
 import conftest
 from conftest import REPO
 from parabench import advise, fakerank, gpus
-from parabench.fabric import PROFILES
+from parabench.fabric import PROFILES, BusbwTable, Fabric
 from parabench.records import ADVISE_COLUMNS, TORCHTITAN_COLUMNS
 from parabench.spec import ModelSpec
 
@@ -405,3 +407,169 @@ def test_a_failed_measurement_decides_nothing():
         r.get("fits") is False for r in rows
     )
     assert all("boom" in r["reason"] for r in rows)
+
+
+# advise's pricing on a rank's work given by hand, in round figures: the arithmetic of
+# `predict` and what it calls, without a model built (the tests above build models).
+# The device: 1e12 FLOP/s, memory never the bound, no floor, a 2e12 peak.
+UNIT_GPU = gpus.GPU("unit", 2e12, 1e12, 80 * 2**30, 1e30, "by hand", op_floor_s=0.0)
+# 1 GB/s within a node of 4 GPUs, 1 GB/s of a node's NICs across nodes: a call's seconds
+# are its bytes times nccl-tests' bus factor over the busbw, no latency.
+UNIT_FABRIC = Fabric(
+    "unit",
+    "by hand",
+    {"intra": BusbwTable((1.0,), (4e9,), 0.0), "inter": BusbwTable((1.0,), (1e9,), 0.0)},
+    gpus_per_node=4,
+)
+
+
+def _work(step: float, optimizer: float, recompute: float = 0.0, comm=None) -> fakerank.Work:
+    """A rank's work of these seconds on UNIT_GPU (one matmul each) and collectives."""
+    ops = {(fakerank.STEP, fakerank.MATMUL, step * 1e12, 0.0): 1}
+    ops[(fakerank.OPTIMIZER, fakerank.MATMUL, optimizer * 1e12, 0.0)] = 1
+    if recompute:
+        ops[(fakerank.RECOMPUTE, fakerank.MATMUL, recompute * 1e12, 0.0)] = 1
+    return fakerank.Work(collections.Counter(ops), comm or {})
+
+
+def _measured(work: fakerank.Work, boundary_bytes: int = 0) -> fakerank.Measured:
+    return fakerank.Measured(0, {}, work, boundary_bytes, blocks=4)
+
+
+def _candidate(**kw) -> advise.Candidate:
+    layout = {"pp": 1, "dp_replicate": 1, "dp_shard": 1, "tp": 1, **kw}
+    gpus_ = layout["pp"] * layout["dp_replicate"] * layout["dp_shard"] * layout["tp"]
+    settings = {"ac": "none", "micro": 1, "accumulation": 1, "zero": 0, **layout}
+    return advise.Candidate(model="unit", gpus=gpus_, **settings)
+
+
+def test_a_step_is_priced_from_its_ranks_work_and_the_fabric():
+    """FSDP on 2 GPUs of a node, 3 micro-batches of 4 samples with checkpointing: each
+    micro-batch computes 2 s and recomputes 0.5 s and reduce-scatters 1 GB (0.5 GB on
+    the bus at n=2: 0.125 s at 4 GB/s); the optimizer step 1 s."""
+    c = _candidate(dp_shard=2, micro=4, accumulation=3, zero=3)
+    comm = {"dp_shard": {"reduce_scatter": {"count": 1, "bytes": 1e9}}}
+    m = _measured(_work(2.0, 1.0, recompute=0.5, comm=comm))
+    got = advise.predict(c, m, UNIT_GPU, UNIT_FABRIC, tokens_per_sample=10)
+    assert got["compute_s"] == pytest.approx(3 * (2 + 0.5) + 1)
+    assert got["recompute_s"] == pytest.approx(3 * 0.5)
+    assert got["comm_s"] == pytest.approx(3 * 0.125)  # every micro-batch's, no pipeline
+    assert json.loads(got["comm_by_dim"]) == {
+        "dp_shard": {"reduce_scatter": {"count": 3, "bytes": 3e9}}
+    }
+    assert got["bubble_s"] == 0
+    step = 8.5 + 0.375
+    assert got["step_s"] == pytest.approx(step)
+    samples = 4 * 3 * 2  # micro x accumulation x dp
+    assert got["samples_per_s_per_gpu"] == pytest.approx(samples / step / 2)
+    assert got["tokens_per_s_per_gpu"] == pytest.approx(10 * samples / step / 2)
+    # the FLOPs a GPU runs count the recompute; the model FLOPs utilisation does not
+    assert got["flops_per_gpu"] == pytest.approx((3 * (2 + 0.5) + 1) * 1e12)
+    assert got["mfu"] == pytest.approx((3 * 2 + 1) * 1e12 / step / 2e12)
+    # a model without tokens has no token rate
+    assert math.isnan(advise.predict(c, m, UNIT_GPU, UNIT_FABRIC, 0)["tokens_per_s_per_gpu"])
+
+
+def test_ranks_sharing_cores_compute_in_turn():
+    """A CPU profile's ranks share its cores: 2 ranks on 1 core take twice the compute
+    (the optimizer and the recompute too); on 4 cores, each its own."""
+    c = _candidate(dp_shard=2, accumulation=2)
+    m = _measured(_work(2.0, 1.0, recompute=0.5))
+    for cores, slicing in [(1, 2.0), (2, 1.0), (4, 1.0)]:
+        cpu = dataclasses.replace(UNIT_GPU, cores=cores)
+        got = advise.predict(c, m, cpu, UNIT_FABRIC, 0)
+        assert got["compute_s"] == pytest.approx(slicing * (2 * (2 + 0.5) + 1)), cores
+        assert got["recompute_s"] == pytest.approx(slicing * 2 * 0.5), cores
+
+
+def test_a_pipelines_step_adds_its_fill_and_drain():
+    """PP 2 x FSDP 2 x TP 2 on two nodes of 4, 4 micro-batches of 0.1 s: tp's all-reduce
+    (0.1 GB: 0.025 s within the node) recurs with every micro-batch, FSDP's
+    reduce-scatter (0.4 GB, 0.2 GB on the bus: 0.05 s) runs once per step. Stage 0's
+    first rank sends to stage 1's, dp x tp = 4 ranks on, on the next node: 0.1 GB over
+    one of the node's 4 NICs (0.25 GB/s), 0.4 s each way of the fill and the drain; the
+    bubble, (pp - 1) micro-batches' compute."""
+    c = _candidate(pp=2, dp_shard=2, tp=2, accumulation=4, zero=3, schedule="1f1b")
+    comm = {
+        "tp": {"all_reduce": {"count": 1, "bytes": 1e8}},
+        "dp_shard": {"reduce_scatter": {"count": 1, "bytes": 4e8}},
+    }
+    m = _measured(_work(0.1, 0.05, comm=comm), boundary_bytes=10**8)
+    got = advise.predict(c, m, UNIT_GPU, UNIT_FABRIC, 0)
+    assert got["compute_s"] == pytest.approx(4 * 0.1 + 0.05)
+    assert json.loads(got["comm_by_dim"]) == {
+        "tp": {"all_reduce": {"count": 4, "bytes": 4e8}},
+        "dp_shard": {"reduce_scatter": {"count": 1, "bytes": 4e8}},
+    }
+    assert got["comm_s"] == pytest.approx(4 * 0.025 + 0.05 + 2 * 0.4)
+    assert got["bubble_s"] == pytest.approx(0.1)
+    assert got["step_s"] == pytest.approx(0.45 + 0.95 + 0.1)
+    assert got["samples_per_s_per_gpu"] == pytest.approx(1 * 4 * 2 / 1.5 / 8)
+
+
+def test_a_pipelines_transfers_are_priced_on_the_link_between_its_stages():
+    """PP 2 x TP 2 on a node of 4: the stages' ranks are 2 apart, within the node
+    (0.1 GB at 4 GB/s: 0.025 s each way); PP 3 on a flat 1 GB/s fabric: two boundaries,
+    each filled and drained (4 x 0.1 s)."""
+    m = _measured(_work(0.1, 0.05), boundary_bytes=10**8)
+    c = _candidate(pp=2, tp=2, accumulation=4, schedule="1f1b")
+    assert advise.predict(c, m, UNIT_GPU, UNIT_FABRIC, 0)["comm_s"] == pytest.approx(2 * 0.025)
+    flat = Fabric("flat", "by hand", {"any": BusbwTable((1.0,), (1e9,), 0.0)})
+    c = _candidate(pp=3, accumulation=4, schedule="1f1b")
+    assert advise.predict(c, m, UNIT_GPU, flat, 0)["comm_s"] == pytest.approx(4 * 0.1)
+
+
+def test_a_peak_of_exactly_the_usable_memory_fits():
+    card = 80 * 2**30
+    assert gpus.fits(gpus.usable(card), card) is True
+    assert gpus.fits(gpus.usable(card) + 1, card) is False
+    assert gpus.fits(1, None) is None
+
+
+def test_a_pipelines_first_stage_holds_the_schedules_micro_batches():
+    assert advise.in_flight(_candidate(accumulation=8)) == 1  # no pipeline: one at a time
+    assert advise.in_flight(_candidate(pp=4, accumulation=8, schedule="1f1b")) == 4
+    assert advise.in_flight(_candidate(pp=4, accumulation=2, schedule="1f1b")) == 2
+    assert advise.in_flight(_candidate(pp=4, accumulation=8, schedule="gpipe")) == 8
+    assert [advise.stage_blocks(10, pp) for pp in (1, 2, 3, 4)] == [10, 5, 4, 3]
+
+
+@pytest.mark.parametrize(
+    "row, expected",
+    [
+        ({"fits": False, "comm_s": 0.0, "bubble_s": 0.0, "step_s": 2.0}, "memory"),
+        ({"fits": None, "comm_s": 0.19, "bubble_s": 0.1, "step_s": 2.0}, "compute"),
+        ({"fits": True, "comm_s": 0.2, "bubble_s": 0.1, "step_s": 2.0}, "exposed communication"),
+        ({"fits": True, "comm_s": 0.1, "bubble_s": 0.2, "step_s": 2.0}, "bubble"),
+        ({"comm_s": 0.6, "bubble_s": 0.6, "step_s": 2.0}, "exposed communication"),
+        ({"comm_s": 0.6, "step_s": 2.0}, "exposed communication"),
+        ({"bubble_s": 0.6, "step_s": 2.0}, "bubble"),
+    ],
+)
+def test_the_binding_term_is_the_larger_of_a_tenth_of_the_step(row, expected):
+    assert advise.binding(row) == expected
+
+
+def test_the_largest_fit_is_found_by_bisection():
+    micros = [1, 2, 4, 8, 16, 32, 64]
+    for largest in [None, *micros]:
+        probed = []
+
+        def fits(micro: int, largest=largest, probed=probed) -> bool:
+            probed.append(micro)
+            return largest is not None and micro <= largest
+
+        assert advise._largest_fit(micros, fits) == largest
+        assert len(probed) <= 3, (largest, probed)  # log2(8): not one probe per size
+    assert advise._largest_fit([], lambda _: True) is None
+
+
+def test_an_op_costs_its_roofline_bound_and_at_least_the_floor():
+    gpu = gpus.GPU("unit", 2e12, 1e12, 1.0, 1e9, "by hand", attention_flops=0.5e12)
+    assert gpu.op_time(2e12, 1e8) == pytest.approx(2.0)  # compute-bound
+    assert gpu.op_time(1e8, 3e9) == pytest.approx(3.0)  # memory-bound
+    assert gpu.op_time(1.0, 1.0) == pytest.approx(3e-6)  # the floor
+    assert gpu.op_time(1e12, 0.0, attention=True) == pytest.approx(2.0)  # its own rate
+    # a profile without an attention rate prices attention at the matmul rate
+    plain = dataclasses.replace(gpu, attention_flops=0.0)
+    assert plain.op_time(1e12, 0.0, attention=True) == pytest.approx(1.0)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import gzip
 import io
 import json
+import math
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -395,6 +396,69 @@ def test_blocked_without_communication_is_computing():
     assert a["compute_s"] == pytest.approx(95e-6) and a["comm_exposed_s"] == 0
 
 
+def test_a_wait_is_never_longer_than_the_regions_it_is_in():
+    """Forward 40 µs, 10 on the core and 30 blocked in c10d's all-reduce call, which a
+    full trace records on the main thread: the call's time and its blocked time are
+    both waiting (counted twice, the docstring's microseconds a call), 60 µs, but the
+    regions lasted 40: all 40 waiting, none computing, the 60 between regions other."""
+    events = [
+        ev(anatomy.STEP_MARK, 0, 100, cat="user_annotation"),
+        ev("c10d::allreduce_", 10, 30),
+        ev("gloo:all_reduce", 0, 100, tid=2, cat="user_annotation"),
+    ]
+    regions = [[region("forward", 40, 10), region("step", 100, 70)]]
+    (a,) = anatomy.anatomy(events, regions)
+    assert a["compute_s"] == 0
+    assert a["comm_exposed_s"] == pytest.approx(40e-6)
+    assert a["other_s"] == pytest.approx(60e-6)
+
+
+def test_blocked_between_the_regions_waits_only_while_communication_is_under_way():
+    """Forward 40 µs, 10 of them blocked; 40 more blocked between the regions; gloo ran
+    20 µs. Waiting, whether in a region or between them, is at most the 20 µs
+    communication was under way (the µs of the trace, exactly seconds / 1e6): the rest
+    of the blocked time waited for something else (other)."""
+    events = [
+        ev(anatomy.STEP_MARK, 1000, 100, cat="user_annotation"),
+        ev("gloo:all_reduce", 1050, 20, tid=2, cat="user_annotation"),
+    ]
+    regions = [[region("forward", 40, 30), region("step", 100, 50)]]
+    (a,) = anatomy.anatomy(events, regions)
+    assert a["compute_s"] == pytest.approx(30e-6)
+    assert a["comm_exposed_s"] == pytest.approx(20e-6, rel=1e-9)
+    assert a["other_s"] == pytest.approx(50e-6)
+
+
+def test_a_step_recorded_without_its_own_region_keeps_its_length_data_and_communication():
+    """A profiled step whose regions lack the step's own (its figures were not
+    recorded): the step's span, and the input's and communication's time within it,
+    nothing attributed to compute or to waiting; on_core counts no time for it."""
+    events = [
+        ev(anatomy.STEP_MARK, 1000, 100, cat="user_annotation"),
+        ev(anatomy.DATA_MARK, 990, 30, cat="user_annotation"),  # 20 µs within the step
+        ev("gloo:all_reduce", 1080, 70, tid=2, cat="user_annotation"),  # 20 within
+    ]
+    regions = [[region("forward", 40, 40)]]
+    (a,) = anatomy.anatomy(events, regions)
+    assert a["step_s"] == pytest.approx(100e-6)
+    assert a["data_s"] == pytest.approx(20e-6) and a["comm_s"] == pytest.approx(20e-6)
+    assert a["compute_s"] == a["comm_exposed_s"] == a["bubble_s"] == 0
+    assert a["other_s"] == pytest.approx(80e-6)
+    assert anatomy.on_core(regions) == [0.0]
+
+
+def test_a_steps_work_is_what_it_did_not_wait():
+    parts = {"compute_s": 4.0, "data_s": 2.0, "other_s": 1.0, "comm_exposed_s": 8.0}
+    assert anatomy.work({**parts, "bubble_s": 16.0}) == 7.0
+
+
+def test_a_cuda_step_without_kernels_keeps_its_exact_length():
+    events = [ev(anatomy.STEP_MARK, 0, 250, cat="user_annotation")]
+    (a,) = anatomy.anatomy(events, [[]], device_type="cuda")
+    assert a["step_s"] == pytest.approx(250e-6, rel=1e-9)
+    assert all(math.isnan(a[k]) for k in (*anatomy.PARTS, "comm_s"))
+
+
 def test_turns_on_a_core_are_compute_up_to_the_ranks_sharing_it():
     """Backward 100 µs: 30 on the core, 50 waiting for it, 20 blocked, while gloo ran
     throughout. Alone on its core (k = 1), all 50 waiting for the core was gloo's
@@ -457,6 +521,44 @@ def test_on_gpu_the_streams_are_the_timeline():
     assert a["other_s"] == pytest.approx(20e-6)
 
 
+def test_on_gpu_a_stage_waiting_on_its_receive_is_bubble_only_in_a_pipeline():
+    """Compute kernels 0-40 and 70-90 µs into the step, NCCL's receives 40-70 and
+    90-120 (the step ends at 100): in a pipeline the 40 µs of receive no compute
+    kernel hid are the bubble; elsewhere they are exposed communication."""
+    events = [
+        ev(anatomy.STEP_MARK, 1000, 100, cat="user_annotation"),
+        ev("ampere_sgemm", 1000, 40, tid=7, cat="kernel"),
+        ev("ampere_sgemm", 1070, 20, tid=7, cat="kernel"),
+        ev("ncclDevKernel_SendRecv", 1040, 30, tid=8, cat="kernel"),
+        ev("ncclDevKernel_SendRecv", 1090, 30, tid=8, cat="kernel"),
+    ]
+    (pipe,) = anatomy.anatomy(events, [[]], pipelined=True)
+    assert pipe["bubble_s"] == pytest.approx(40e-6) and pipe["comm_exposed_s"] == 0
+    assert pipe["compute_s"] == pytest.approx(60e-6) and pipe["comm_s"] == pytest.approx(40e-6)
+    assert pipe["step_s"] == pytest.approx(100e-6)
+    (plain,) = anatomy.anatomy(events, [[]])
+    assert plain["bubble_s"] == 0 and plain["comm_exposed_s"] == pytest.approx(40e-6)
+
+
+def test_recompute_is_the_median_step_of_the_slowest_ranks_recomputing():
+    """Per step, each rank's recompute regions' time not blocked, the slowest rank's;
+    the median of those over the steps (of two, the later in order). No checkpointing:
+    0; checkpointing without a recompute region recorded: unknown."""
+    fwd = region("forward", 50, 50)
+    rank0 = [
+        [fwd, region("recompute", 10, 6, runq=2)],  # 2 µs blocked: 8
+        [region("recompute", 5, 5), region("recompute", 5, 5)],  # 10
+        [region("recompute", 4, 4)],
+    ]
+    rank1 = [[region("recompute", 6, 6)], [region("recompute", 12, 12)], [fwd]]
+    assert anatomy.recompute([rank0, rank1], "full") == pytest.approx(8e-6)  # of 8, 12, 4
+    assert anatomy.recompute([rank0[:2], rank1[:2]], "selective") == pytest.approx(12e-6)
+    assert anatomy.recompute([rank0, rank1[:2]], "full") == pytest.approx(12e-6)
+    assert anatomy.recompute([rank0, rank1], "none") == 0.0
+    assert math.isnan(anatomy.recompute([[[fwd]], [[fwd]]], "full"))
+    assert math.isnan(anatomy.recompute([], "full"))
+
+
 def part(step, compute, other=0.0, comm=0.0, bubble=0.0) -> dict:
     return {
         "step_s": step,
@@ -485,6 +587,10 @@ def test_the_critical_step_is_the_stragglers_work_over_the_slowest_ranks_step():
     ] == [2, 4]
     (crit,) = anatomy.critical_steps([[part(5, 1, other=3)], [part(4, 2)]])
     assert crit["compute_s"] == 2
+    # the input's time is the straggler's work too
+    loading = {**part(9, 5), "data_s": 3.0}
+    (crit,) = anatomy.critical_steps([[loading], [part(9, 6)]])
+    assert crit == loading
 
 
 def test_the_critical_anatomy_is_the_central_half_of_its_steps_averaged():
@@ -498,6 +604,13 @@ def test_the_critical_anatomy_is_the_central_half_of_its_steps_averaged():
     # step move it fully
     assert anatomy.critical([[part(2, 1), part(30, 29), part(3, 2)]]) == part(3, 2)
     assert anatomy.critical([[part(2, 1), part(4, 3)]])["compute_s"] == pytest.approx(2)
+    # five steps: the quarter dropped from each end is one, not the median alone
+    five = anatomy.critical([[part(t, t - 1, other=1) for t in (2, 3, 4, 6, 30)]])
+    assert five["step_s"] == pytest.approx(13 / 3)
+    # the straggler's wait is exposed communication, or in a pipeline the bubble
+    first, straggler = [part(10, 3, comm=7)], [part(8, 7, bubble=1)]
+    assert anatomy.critical([first, straggler]) == part(10, 7, comm=2, bubble=1)
+    assert anatomy.critical([first, straggler], pipelined=True) == part(10, 7, bubble=3)
 
 
 def test_volume_reads_sizes_the_nccl_tests_way():
@@ -521,6 +634,49 @@ def test_volume_reads_sizes_the_nccl_tests_way():
     assert v["all_reduce"] == {"count": 1, "bytes": 200}
     assert v["all_gather"] == {"count": 1, "bytes": 1600}  # the gathered output, fp32
     assert v["send"] == {"count": 1, "bytes": 64}
+    # a TensorList's elements are 4 bytes unless the caller says; a dtype the table
+    # lacks (uint32 here) is taken as 4 bytes too
+    uint32 = {"Input Dims": [[8]], "Input type": ["unsigned int"]}
+    v = anatomy.volume([*events[:2], ev("c10d::broadcast_", 4, 1, **uint32)])
+    assert v["all_reduce"]["bytes"] == 400 and v["broadcast"]["bytes"] == 32
+
+
+def test_volume_counts_each_collective_once_on_its_own_thread_within_the_steps():
+    """Outside the profiled steps nothing counts (before the first, after the last);
+    a step's bounds are within it. A functional all-reduce (bf16, 1000 elements) runs
+    c10d's inside its span, as a TensorList the trace gives no dtype: counted once, as
+    the outer call, whichever the trace lists first. Autograd's thread's reduce-scatter
+    overlapping it is another collective. Calls the trace recorded without their
+    shapes or with only scalars are not counted; one without a duration is an instant,
+    which holds none that follows on its thread."""
+    reduce = {"Input Dims": [[500], [1000]], "Input type": ["float", "float"]}
+    bf16 = {"Input Dims": [[1000]], "Input type": ["c10::BFloat16"]}
+    inner = {"Input Dims": [[[1000]]], "Input type": ["TensorList"]}
+    events = [
+        ev(anatomy.STEP_MARK, 100, 100, cat="user_annotation"),
+        ev("c10d::allreduce_", 50, 5, **bf16),  # warm-up, before the steps
+        {"ph": "X", "name": "c10d::allreduce_", "ts": 100, "dur": 1, "tid": 1},  # no args
+        ev("c10d::broadcast_", 101, 1, **{"External id": 7}),  # args, no shapes
+        ev("c10d::broadcast_", 102, 1, **{"Input Dims": [[8]]}),  # shapes, no types
+        ev("c10d::broadcast_", 103, 1, **{"Input Dims": [[]], "Input type": ["Scalar"]}),
+        ev("c10d::allreduce_", 110, 5, **inner),
+        ev("_c10d_functional::all_reduce", 110, 10, **bf16),
+        ev("c10d::_reduce_scatter_base_", 112, 2, tid=2, **reduce),
+        {"ph": "X", "name": "c10d::send", "ts": 130, "tid": 1, "args": bf16},  # an instant
+        ev("c10d::send", 130.5, 1, **bf16),
+        ev("c10d::recv_", 200, 1, **bf16),  # the step's last microsecond
+        ev("c10d::recv_", 201, 1, **bf16),  # after it
+    ]
+    v = anatomy.volume(events)
+    assert v == {
+        "all_reduce": {"count": 1, "bytes": 2000},
+        "reduce_scatter": {"count": 1, "bytes": 4000},
+        "send": {"count": 2, "bytes": 4000},
+        "recv": {"count": 1, "bytes": 2000},
+    }
+    # a collective at the step's first microsecond is within it
+    first = ev("c10d::recv_", 100, 1, **bf16)
+    assert anatomy.volume([events[0], first])["recv"] == {"count": 1, "bytes": 2000}
 
 
 def test_bus_bandwidth_factors_are_nccl_tests():

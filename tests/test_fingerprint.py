@@ -150,6 +150,25 @@ def test_the_verdict_on_a_sketch_is_the_exact_one(times):
     assert (sketched / travel <= tol) == (exact <= tol) == (times < 25)
 
 
+def test_the_tolerance_is_the_reordered_runs_distance_widened_floored_and_rounded():
+    """equivalence.tolerance as its module states it, on figures by hand: 25x the
+    reordered run's distance, never under 1e-6; a strategy that rounds its gradients to
+    bf16's 8 significant bits (ddp_compress) at least 2 x (n + 1) x 2^-8."""
+    assert equivalence.tolerance(1e-4, "ddp", 2) == pytest.approx(25e-4)
+    assert equivalence.tolerance(1e-9, "ddp", 2) == 1e-6
+    assert equivalence.tolerance(1e-4, "ddp_compress", 2) == pytest.approx(2 * 3 / 256)
+    assert equivalence.tolerance(1e-4, "ddp_compress", 4) == pytest.approx(2 * 5 / 256)
+    assert equivalence.tolerance(1e-2, "ddp_compress", 4) == pytest.approx(0.25)
+    assert equivalence.rounding_bound(8, 2) == pytest.approx(3 / 256)
+
+
+def test_the_distances_are_over_every_parameter():
+    a = {"w": torch.tensor([1.0, 2.0]), "b": torch.tensor([3.0])}
+    b = {"w": torch.tensor([1.0, -1.0]), "b": torch.tensor([7.0])}
+    assert equivalence.max_abs_diff(a, b) == 4.0
+    assert equivalence.l2_diff(a, b) == pytest.approx(5.0)  # sqrt(3^2 + 4^2)
+
+
 def test_half_the_learning_rate_is_far_outside_the_tolerance_on_a_sketch():
     initial, reference = weights(0), weights(1)
     half = {k: initial[k] + 0.5 * (reference[k] - initial[k]) for k in initial}

@@ -103,11 +103,50 @@ def test_speedup_interval_contains_the_true_speedup_and_excludes_one():
     lo, hi = ci.loc[1, "speedup_ci_low"], ci.loc[1, "speedup_ci_high"]
     assert lo < 2.0 < hi and lo > 1.5
     assert ci.loc[1, "efficiency_ci_low"] == pytest.approx(lo / 2)
+    assert ci.loc[1, "efficiency_ci_high"] == pytest.approx(hi / 2)
+
+
+def test_speedups_are_over_the_reference_that_ran_and_count_the_batch():
+    """Weak scaling: ddp at 2 runs twice single's batch in the same time, a speedup of
+    2 (throughput, not step time). A failed row, and every row whose reference failed,
+    has neither a speedup nor an interval."""
+    rng = np.random.default_rng(5)
+    steps = steps_frame(
+        {
+            ("single", 1): rng.normal(1.0, 0.01, 30),
+            ("ddp", 2): rng.normal(1.0, 0.01, 30),
+            ("fsdp", 2): rng.normal(1.0, 0.01, 30),
+        }
+    )
+    variant = dict(zip(VARIANT, ["m", "fp32", "sgd", False], strict=True))
+    rows = [("single", 1, 64, "ok"), ("ddp", 2, 128, "ok"), ("fsdp", 2, 128, "failed")]
+    summary = pd.DataFrame(
+        [
+            {**variant, "ac": "none", "strategy": s, "devices": n, "global_batch": b, "status": ok}
+            for s, n, b, ok in rows
+        ]
+    ).assign(throughput=lambda d: d["global_batch"] / 1.0)
+    ci = st.speedup_intervals(summary, steps)
+    lo, hi = ci.loc[1, "speedup_ci_low"], ci.loc[1, "speedup_ci_high"]
+    assert 1.9 < lo < 2.0 < hi < 2.1
+    assert ci.loc[2].isna().all(), "a failed cell is not ranked"
+    assert st.speedup(summary, summary).tolist() == [1.0, 2.0, 2.0]
+    failed_reference = summary.assign(status=["failed", "ok", "ok"])
+    assert st.reference_rows(failed_reference).empty
+    assert st.speedup(summary, failed_reference).isna().all()
+    assert st.speedup_intervals(failed_reference, steps).isna().all().all()
 
 
 @pytest.mark.parametrize(
     "lo, hi, expected",
-    [(0.7, 0.9, "faster"), (1.1, 1.4, "slower"), (0.95, 1.05, "indistinguishable")],
+    [
+        (0.7, 0.9, "faster"),
+        (1.1, 1.4, "slower"),
+        (0.95, 1.05, "indistinguishable"),
+        # an interval that reaches 1 does not exclude "no change"
+        (0.9, 1.0, "indistinguishable"),
+        (1.0, 1.1, "indistinguishable"),
+    ],
 )
 def test_verdicts(lo, hi, expected):
     assert st.verdict(lo, hi) == expected
@@ -116,6 +155,12 @@ def test_verdicts(lo, hi, expected):
 def test_separated_intervals():
     assert st.separated((1.0, 1.2), (1.3, 1.5))
     assert not st.separated((1.0, 1.3), (1.2, 1.5))
+    assert st.separated((1.3, 1.5), (1.0, 1.2)), "either order"
+    assert not st.separated((1.2, 1.5), (1.0, 1.3)), "either order"
+    assert not st.separated((1.0, 2.0), (0.5, 1.5)), "one holds the other's upper end"
+    # intervals that touch share a value: not separated
+    assert not st.separated((1.0, 1.2), (1.2, 1.5))
+    assert not st.separated((1.2, 1.5), (1.0, 1.2))
 
 
 def exact_median_cdf(n: int, j: np.ndarray) -> np.ndarray:
