@@ -52,9 +52,11 @@ def rows_of(path: Path) -> list[dict]:
         return list(csv.DictReader(f))
 
 
-def rehearse(cfg: dict, *extra: str, cwd: Path = REPO) -> tuple[subprocess.CompletedProcess, list]:
+def rehearse(
+    cfg: dict, *extra: str, cwd: Path = REPO, timeout: float = 600
+) -> tuple[subprocess.CompletedProcess, list]:
     argv = [sys.executable, "-m", "parabench", "rehearse", "--config-json", json.dumps(cfg)]
-    proc = subprocess.run([*argv, *extra], capture_output=True, text=True, cwd=cwd, timeout=600)
+    proc = subprocess.run([*argv, *extra], capture_output=True, text=True, cwd=cwd, timeout=timeout)
     path = Path(cfg["results"]) / "rehearsal.csv"
     return proc, rows_of(path) if path.exists() else []
 
@@ -258,7 +260,9 @@ def test_every_shipped_config_rehearses(tmp_path, path):
     raw = yaml.safe_load((REPO / path).read_text())
     raw["results"] = str(tmp_path / "results")
     cfg = checked(raw)
-    proc, rows = rehearse(cfg)
+    # a guard against a hang, not a time limit: gpu.yaml's 114 ranks take about 6 minutes
+    # on 2 quiet cores, and went past 10 at a load of 4 to 6
+    proc, rows = rehearse(cfg, timeout=1800)
     failed = [
         f"{r['model']} {r['strategy']} x{r['devices']}: {r['reason']}"
         for r in rows

@@ -23,8 +23,11 @@ rule aggregate:
         ranks=lambda wc, input: f"--ranks {shlex.quote(input.ranks)}" if RANKS else "",
         # per cell, in input.meta's order: a record of other settings is refused
         hashes=[cell.spec.config_hash() for cell in CELLS.values()],
+    # through parabench.warm: aggregate imports torch (the parameter files), so it is
+    # forked from the run's warm process where there is one
     shell:
-        "parabench aggregate --meta {input.meta:q} --steps-out {output.steps:q} "
+        "python -m parabench.warm python -m parabench aggregate "
+        "--meta {input.meta:q} --steps-out {output.steps:q} "
         "--cells-out {output.cells:q} --summary-out {output.summary:q} "
         "--collectives {input.collectives:q} --collectives-out {output.collectives:q} "
         "--config-hashes {params.hashes} {params.ranks} > {log:q} 2>&1"
