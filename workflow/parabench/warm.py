@@ -13,10 +13,13 @@ done. The timed steps are the same code in the same kind of process.
 What is forked is what the guard would have started: `python -m parabench.torchrun ...`
 or `python -m parabench run|collectives ...`, with the launch's working directory,
 environment, and standard streams (passed over the socket); the guard reads, times and
-kills it as its own child. A launch that the warm process cannot stand for, because
-its Python differs or an environment variable torch reads at import differs from the
-one the warm process imported with, starts cold, and says so in its log. So does every
-launch when there is no warm process (a Slurm job, a cluster node) or it has gone.
+kills it as its own child. The commands of the jobs that import torch themselves
+(advise, aggregate, the ranks' and plan's measuring children) are forked too, through
+`popen` or, from a rule's shell, `python -m parabench.warm CMD` (`main`), with the
+job's own streams. A launch that the warm process cannot stand for, because its Python
+differs or an environment variable torch reads at import differs from the one the warm
+process imported with, starts cold, and says so in its log. So does every launch when
+there is no warm process (a Slurm job, a cluster node) or it has gone.
 
 This module is the client (the guard's side) and starts the server; it never imports
 torch.
@@ -222,8 +225,8 @@ def popen(argv: list[str]) -> subprocess.Popen | WarmProcess:
 def main(argv: list[str]) -> int:
     """`python -m parabench.warm python -m parabench COMMAND ...`: the command, warm
     where it can be (popen), its exit status this process's (128 + a signal's number
-    where one ended it, as a shell says it). A job's command that imports torch itself
-    (advise) is started so; interrupted, it is killed."""
+    where one ended it, as a shell says it). The rules start advise and aggregate so;
+    interrupted, the command is killed."""
     os.environ.setdefault("PYTHONSAFEPATH", "1")  # as every parabench command (cli.main)
     # `python` on the PATH, as the rules name it, is this interpreter: named as the warm
     # process names its own, which forks only what runs on it
