@@ -58,6 +58,17 @@ def gone(out, within_s: float = 10) -> bool:
     return False
 
 
+def shown(out, count: int, within_s: float = 60) -> bool:
+    """Whether `count` processes show `out` in their command lines within `within_s`."""
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        found = subprocess.run(["pgrep", "-f", str(out)], capture_output=True, text=True)
+        if len(found.stdout.split()) >= count:
+            return True
+        time.sleep(0.2)
+    return False
+
+
 @pytest.mark.parametrize("strategy, devices", [("single", 1), ("ddp", 2)])
 def test_a_warm_launch_runs_the_cell_a_cold_launch_runs(tmp_path, warm_env, strategy, devices):
     """As Snakemake starts it: with the job's threads in OMP_NUM_THREADS (and MKL's),
@@ -109,13 +120,7 @@ def test_a_warm_launch_goes_with_its_guard(tmp_path, warm_env):
         stderr=subprocess.DEVNULL,
         env={**warm_env, "PARABENCH_FAULT": "hang@tiny/ddp/n2/r0:rank=1:step=1"},
     )
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:  # the guard, the agent and two ranks
-        found = subprocess.run(["pgrep", "-f", str(out)], capture_output=True, text=True)
-        if len(found.stdout.split()) >= 4:
-            break
-        time.sleep(0.2)
-    else:
+    if not shown(out, 4):  # the guard, the agent and two ranks
         pytest.fail("the cell's processes never all showed up")
     guard.send_signal(signal.SIGKILL)
     guard.wait()
@@ -159,13 +164,7 @@ def test_a_jobs_own_command_runs_warm_with_its_exit_code_and_goes_when_stopped(t
         text=True,
         env={**warm_env, "PARABENCH_FAULT": "hang@tiny/single/n1/r0:rank=0:step=1"},
     )
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:  # the job and the command it forked
-        found = subprocess.run(["pgrep", "-f", str(out)], capture_output=True, text=True)
-        if len(found.stdout.split()) >= 2:
-            break
-        time.sleep(0.2)
-    else:
+    if not shown(out, 2):  # the job and the command it forked
         pytest.fail("the command never showed up")
     job.send_signal(signal.SIGTERM)
     assert job.wait(30) == 128 + signal.SIGTERM
