@@ -189,7 +189,8 @@ STAND_INS = {
     "compile": "torch.compile is the identity: each block runs its eager code",
     "mesh": "a DeviceMesh computes its rank bookkeeping on real tensors",
     "ddp": "DDP skips its check that every rank's parameters have the same shapes, its "
-    "runtime statistics (timed with CUDA events) and the rebuild of its buckets in "
+    "broadcast of rank 0's parameters at construction (a rank alone would copy its own), "
+    "its runtime statistics (timed with CUDA events) and the rebuild of its buckets in "
     "gradient order",
     "pipeline": "a pipeline's warm-up vote is taken as static shapes, which every stage "
     "parabench builds declares",
@@ -307,17 +308,18 @@ def _ddp_without_data() -> Iterator[None]:
     """DDP on fake tensors: its C++ reducer, buckets and hooks run as on a GPU, less what
     reads tensors' data or times kernels: the constructor's check that every rank's
     parameters have the same shapes (a rank alone would compare itself with itself),
-    the runtime statistics its reducer times with CUDA events in the first iterations
-    (prepare_for_forward counts the iteration that turns them on) and its logger
-    reports, and the rebuild of its buckets in the order gradients arrived in the first
-    step (an order, not a change of what each bucket reduces)."""
+    its broadcast of rank 0's parameters and buffers to the others (a rank alone would
+    copy its own values onto themselves, a flatten and copy per parameter: a fifth of a
+    gpt2 rank's rehearsal), the runtime statistics its reducer times with CUDA events
+    in the first iterations (prepare_for_forward counts the iteration that turns them
+    on) and its logger reports, and the rebuild of its buckets in the order gradients
+    arrived in the first step (an order, not a change of what each bucket reduces)."""
     import torch.distributed as dist
     from torch.nn.parallel import distributed
 
     with contextlib.ExitStack() as stack:
-        stack.enter_context(
-            _patched(distributed, "_verify_param_shape_across_processes", lambda *a, **k: None)
-        )
+        for name in ("_verify_param_shape_across_processes", "_sync_module_states"):
+            stack.enter_context(_patched(distributed, name, lambda *a, **k: None))
         stack.enter_context(_patched(dist.Logger, "set_runtime_stats_and_log", lambda s: None))
         stack.enter_context(_patched(dist.Reducer, "prepare_for_forward", lambda s: None))
         stack.enter_context(_patched(dist.Reducer, "_rebuild_buckets", lambda s: False))
