@@ -55,7 +55,8 @@ def warm_launches():
     with pytest.MonkeyPatch.context() as mp:
         for key, value in QUIET_THREADS.items():
             mp.setenv(key, value)
-        with warm.warm_process():
+        # transformers too: the HF models' cells and advise's torchtitan check build them
+        with warm.warm_process(hf_types=["gpt2", "llama"] if HF_INSTALLED else []):
             yield
 
 

@@ -129,6 +129,13 @@ def test_a_warm_launch_goes_with_its_guard(tmp_path, warm_env):
 
 def test_a_launch_torch_would_import_differently_starts_cold_and_says_why(tmp_path, warm_env):
     spec = tiny_spec("single", 1)
+    # From a process that has compiled, as a test worker or a sweep may have: torch put
+    # its compilers' cache directories in its environment, which it reads when it
+    # compiles, not when it is imported: warm (every test's launches went cold so).
+    compiled = {**warm_env, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
+    proc, meta = launched(spec, tmp_path / "compiled", {**compiled, "TRITON_CACHE_DIR": "/x"})
+    assert meta["status"] == "ok", meta.get("reason")
+    assert "parabench guard: warm start, pid" in proc.stderr, proc.stderr[-2000:]
     env = {**warm_env, "TORCH_SHOW_CPP_STACKTRACES": "1"}  # read when torch is imported
     proc, meta = launched(spec, tmp_path / "cell", env)
     assert meta["status"] == "ok", meta.get("reason")
@@ -170,3 +177,38 @@ def test_a_jobs_own_command_runs_warm_with_its_exit_code_and_goes_when_stopped(t
     assert job.wait(30) == 128 + signal.SIGTERM
     assert "parabench: warm start, pid" in job.stderr.read()
     assert gone(out, 15), "the command outlived its job"
+
+
+def test_the_warm_process_imports_the_runs_transformers_models_and_stays_forkable():
+    """A run with Hugging Face models (or advise's torchtitan check, Llama 3.1) has its
+    warm process import transformers and each type's model module, which every HF
+    launch's agent would import again (3 to 7 s each); still one thread, no CUDA."""
+    pytest.importorskip("transformers")
+    config = {
+        "models": {
+            "a": {"arch": "hf", "model_type": "gpt2"},
+            "b": {"arch": "mlp"},
+            "c": {"arch": "hf", "model_type": "gpt2"},
+        },
+        "advise": {"enabled": True, "torchtitan": True},
+    }
+    assert warm.hf_types(config) == ["gpt2", "llama"]
+    assert warm.hf_types({**config, "advise": {"enabled": False, "torchtitan": True}}) == ["gpt2"]
+    assert warm.hf_types({"models": {"b": {"arch": "mlp"}}}) == []
+    probe = (
+        "import sys; from parabench import forkserver\n"
+        "unsafe = forkserver._preload(sys.argv[1:])\n"
+        "mods = [m for m in sys.modules if m.startswith('transformers.models.')"
+        " and m.endswith(('modeling_gpt2', 'modeling_llama'))]\n"
+        "print(unsafe, sorted(mods))"
+    )
+    got = subprocess.run(
+        [sys.executable, "-c", probe, "gpt2", "llama"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert got.stdout.split("\n")[0] == (
+        "None ['transformers.models.gpt2.modeling_gpt2', "
+        "'transformers.models.llama.modeling_llama']"
+    ), got.stdout + got.stderr[-2000:]

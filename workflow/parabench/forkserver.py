@@ -1,4 +1,5 @@
-"""`python -m parabench.forkserver NAME`: a run's warm process (see parabench.warm).
+"""`python -m parabench.forkserver NAME [MODEL_TYPE...]`: a run's warm process (see
+parabench.warm), with transformers and these model types' classes imported where given.
 
 It listens first, so a launch that comes while it imports waits for it instead of
 starting cold; imports torch and what a cell's processes and torchrun's agent import;
@@ -33,8 +34,9 @@ import setproctitle
 from parabench import envinfo, warm
 
 
-def _preload() -> str | None:
-    """Import what the forked processes run; why forking would be unsafe, if it is."""
+def _preload(hf_types: list[str]) -> str | None:
+    """Import what the forked processes run (with `hf_types`, transformers and those
+    model types' classes); why forking would be unsafe, if it is."""
     import torch
     import torch._dynamo  # every torch.optim constructor imports it
 
@@ -43,6 +45,12 @@ def _preload() -> str | None:
 
     for name in CATALOG:
         strategies.get(name)
+    if hf_types:
+        from parabench.models import hf
+
+        # transformers missing or a type it lacks: each launch meets it as its own error
+        with contextlib.suppress(Exception):
+            hf.preload_types(hf_types)
     if torch.cuda.is_initialized():
         return "its imports started CUDA, which a forked process cannot use"
     # Python threads only: torch's import starts a native one of its own, as it does in
@@ -133,14 +141,14 @@ def _refusal(request: dict, env_at_import: dict[str, str]) -> str | None:
     return None
 
 
-def serve(name: str) -> None:
+def serve(name: str, hf_types: list[str]) -> None:
     warm.die_with_parent()
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(warm._address(name))
     listener.listen(64)
     env_at_import = warm.import_time_env(dict(os.environ))
     try:
-        unsafe = _preload()
+        unsafe = _preload(hf_types)
     except Exception as e:  # a broken torch: every launch starts cold and meets it there
         unsafe = f"its imports failed: {type(e).__name__}: {e}"
     # After the imports, which read the handlers a new Python has (parabench.torchrun's
@@ -202,4 +210,4 @@ def _reap(children: dict[int, socket.socket], selector: selectors.BaseSelector) 
 
 
 if __name__ == "__main__":
-    serve(sys.argv[1])
+    serve(sys.argv[1], sys.argv[2:])

@@ -143,7 +143,7 @@ def sweep(
             print(f"lock: took over the lock of {held.took_over}, which is gone", flush=True)
         # every launch of this host's run forked warm (parabench.warm); torch is
         # imported there while the preflight runs
-        with warm.warm_process():
+        with warm.warm_process(hf_types=warm.hf_types(config)):
             return _run(config, workdir, force, retry_failed)
 
 

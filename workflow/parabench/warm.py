@@ -75,16 +75,26 @@ WARM_MODULES = {("-m", "parabench.torchrun"), ("-m", "parabench")}
 NO_WARM_PROCESS = "no warm process in this run"
 
 
+# Where torch's compilers keep their caches: read when they compile, never at import,
+# and written into a process's own environment by its first compile (cache_dir_utils),
+# so that every process a compiling one starts inherits them: a test worker or a sweep
+# that compiled would otherwise send every later launch cold. A forked launch takes its
+# own environment before it runs (forkserver._child).
+READ_WHEN_USED = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")
+
+
 def import_time_env(env: dict[str, str]) -> dict[str, str]:
     """The part of an environment that torch and Python read when they are imported.
     Not the thread counts (OMP_, MKL_, OPENBLAS_NUM_THREADS), which Snakemake sets to
     each job's `threads`: every rank sets its own (runtime.start: torch.set_num_threads
     over the cores it is bound to), as the ranks that torchrun's agent forks already do
-    whatever the agent imported torch with."""
+    whatever the agent imported torch with; nor READ_WHEN_USED."""
     return {
         k: v
         for k, v in env.items()
-        if k.startswith(IMPORT_TIME_PREFIXES) and not k.endswith("_NUM_THREADS")
+        if k.startswith(IMPORT_TIME_PREFIXES)
+        and not k.endswith("_NUM_THREADS")
+        and k not in READ_WHEN_USED
     }
 
 
@@ -243,11 +253,25 @@ def main(argv: list[str]) -> int:
     return code if code >= 0 else 128 - code
 
 
+def hf_types(config: dict) -> list[str]:
+    """The transformers model types a run of `config` builds in the launches it forks:
+    its `arch: hf` models', and Llama's where advise checks torchtitan's runs (Llama 3.1
+    shapes, published.py)."""
+    types = {m["model_type"] for m in config["models"].values() if m.get("arch") == "hf"}
+    advise = config.get("advise") or {}
+    if advise.get("enabled") and advise.get("torchtitan"):
+        types.add("llama")
+    return sorted(types)
+
+
 @contextlib.contextmanager
-def warm_process(env: dict[str, str] | None = None) -> Iterator[str | None]:
+def warm_process(
+    env: dict[str, str] | None = None, hf_types: list[str] = ()
+) -> Iterator[str | None]:
     """A warm process for the launches started while this is open, named in this
     process's environment (ENV) so that they find it; stopped on the way out, and gone
-    with this process even if it is killed (PR_SET_PDEATHSIG). Yields its name, or None
+    with this process even if it is killed (PR_SET_PDEATHSIG). It imports transformers
+    and `hf_types`' classes too, where given (see `hf_types`). Yields its name, or None
     where one is already named (an outer run's), PARABENCH_WARM=0 turns them off, or
     setproctitle is not installed."""
     # setproctitle: a forked launch shows its own command in ps and pgrep, not the warm
@@ -259,7 +283,7 @@ def warm_process(env: dict[str, str] | None = None) -> Iterator[str | None]:
     # Started as the launches' Python is: no working directory on sys.path (cli.main).
     server_env = {**(os.environ if env is None else env), "PYTHONSAFEPATH": "1"}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "parabench.forkserver", name],
+        [sys.executable, "-m", "parabench.forkserver", name, *hf_types],
         stdin=subprocess.DEVNULL,
         env=server_env,
         start_new_session=True,

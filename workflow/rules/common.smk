@@ -231,7 +231,8 @@ def run_held(execute):
         executor = kwargs.get("executor_plugin", args[0] if args else None)
         settings = executor.common_settings
         here = settings.local_exec and not settings.dryrun_exec
-        with warm.warm_process() if here else contextlib.nullcontext():
+        warmed = warm.warm_process(hf_types=warm.hf_types(config)) if here else None
+        with warmed or contextlib.nullcontext():
             if not workflow.execution_settings.no_hooks or settings.dryrun_exec:
                 return execute(*args, **kwargs)
             take_results_lock()
