@@ -15,8 +15,10 @@ CORES  ?= 1
 ARGS   ?=
 # The tests in two workers, a test file each (its module fixtures, one sweep, stay in
 # one worker): most of a test's time is processes starting and waiting on each other,
-# which two files side by side overlap. PYTEST_WORKERS= runs them in one process.
-PYTEST_WORKERS ?= -n 2 --dist loadfile
+# which two files side by side overlap. Files go out in collection order, the longest
+# first (tests/conftest.py: LONGEST_FIRST), not xdist's order by number of tests, which
+# left a long file to run alone at the end. PYTEST_WORKERS= runs them in one process.
+PYTEST_WORKERS ?= -n 2 --dist loadfile --no-loadscope-reorder
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.parabench-installed
 # What make run installs: the workflow, and transformers (the `hf` extra: the default

@@ -15,12 +15,18 @@ Facts this is built on (found by trying, as root, without systemd):
   (MaxTime 24 hours, a common GPU partition's), each enforced at submission
   (EnforcePartLimits=ALL: sbatch refuses a longer job, where by default it would queue
   it for ever).
+- One cluster per machine at a time: its ports and /etc/slurm are the machine's. Two
+  test workers each starting one (test_slurm.py and then test_slurm_time.py, side by side)
+  had the second's slurmctld die on a bound port, unnoticed (the first's node answered
+  sinfo), and its jobs killed when the first was stopped. A lock serializes them, and a
+  daemon that died at start is an error.
 Only the daemons started here are stopped.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import shutil
 import signal
@@ -85,8 +91,20 @@ def _node_idle() -> bool:
     return out.returncode == 0 and out.stdout.strip() in ("idle", "mix")
 
 
+LOCK = Path(tempfile.gettempdir()) / "parabench-local-slurm.lock"
+
+
 @contextlib.contextmanager
 def local_slurm(tmp: Path) -> Iterator[dict]:
+    """The cluster, once this machine's other one (another test worker's) has stopped."""
+    with open(LOCK, "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        with _local_slurm(tmp) as info:
+            yield info
+
+
+@contextlib.contextmanager
+def _local_slurm(tmp: Path) -> Iterator[dict]:
     host = socket.gethostname().split(".")[0]
     for d in ("state", "spool", "dev"):
         (tmp / d).mkdir(parents=True, exist_ok=True)
@@ -154,6 +172,13 @@ def local_slurm(tmp: Path) -> Iterator[dict]:
             )
         )
         _wait(_node_idle, "the node")
+        if dead := [" ".join(p.args) for p in started if p.poll() is not None]:
+            logs = "\n".join(
+                (tmp / f).read_text()[-1500:]
+                for f in ("slurmctld.log", "slurmd.log")
+                if (tmp / f).exists()
+            )
+            raise RuntimeError(f"local Slurm: {dead} exited at start\n{logs}")
         yield {
             "host": host,
             "partition": "test",

@@ -303,6 +303,20 @@ def warm_process(
             proc.wait()
 
 
+@contextlib.contextmanager
+def elsewhere() -> Iterator[None]:
+    """For a run whose jobs start on a cluster: no warm process named to them while this
+    is open. A job on this host (a workstation's Slurm, a login node's) would otherwise
+    reach an outer run's and have its launches forked outside its own allocation, its
+    cgroup, CPUs and limits."""
+    saved = os.environ.pop(ENV, None)
+    try:
+        yield
+    finally:
+        if saved is not None:
+            os.environ[ENV] = saved
+
+
 def die_with_parent() -> None:
     """In a child, before it runs: get SIGTERM when its parent dies, even by SIGKILL, so
     that a killed run leaves no process behind writing into a cell being rerun (Linux:

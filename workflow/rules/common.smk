@@ -1,7 +1,6 @@
 # Helpers shared by the rules: the cell table and each cell's command line, built by the
 # parabench package (torch-free modules: config, catalog, checks, launch, records) so the
 # workflow and `parabench sweep` plan and start cells the same way.
-import contextlib
 import hashlib
 import shlex
 import sys
@@ -231,8 +230,9 @@ def run_held(execute):
         executor = kwargs.get("executor_plugin", args[0] if args else None)
         settings = executor.common_settings
         here = settings.local_exec and not settings.dryrun_exec
-        warmed = warm.warm_process(hf_types=warm.hf_types(config)) if here else None
-        with warmed or contextlib.nullcontext():
+        # a cluster's jobs start cold, on their own hosts (warm.elsewhere)
+        warmed = warm.warm_process(hf_types=warm.hf_types(config)) if here else warm.elsewhere()
+        with warmed:
             if not workflow.execution_settings.no_hooks or settings.dryrun_exec:
                 return execute(*args, **kwargs)
             take_results_lock()
