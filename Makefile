@@ -18,6 +18,7 @@ ARGS   ?=
 # which two files side by side overlap. Files go out in collection order, the longest
 # first (tests/conftest.py: LONGEST_FIRST), not xdist's order by number of tests, which
 # left a long file to run alone at the end. PYTEST_WORKERS= runs them in one process.
+# make test prints its 25 slowest tests: where its 20-minute budget goes, in CI's log.
 PYTEST_WORKERS ?= -n 2 --dist loadfile --no-loadscope-reorder
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.parabench-installed
@@ -88,7 +89,7 @@ lint: $(DEV_STAMP)
 
 test: $(DEV_STAMP) lint
 	tests/setup-system.sh
-	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python -m pytest -q -ra $(PYTEST_WORKERS)
+	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python -m pytest -q -ra --durations=25 $(PYTEST_WORKERS)
 
 test-torch-min: $(MIN_STAMP)
 	PATH="$(abspath $(MIN_VENV)/bin):$$PATH" $(MIN_VENV)/bin/python -m pytest -q -ra \
