@@ -39,7 +39,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 # The environment variable that names the run's warm process (an abstract Unix socket:
 # no file to clean up, no path-length limit, gone with its process).
@@ -257,7 +257,10 @@ def hf_types(config: dict) -> list[str]:
     """The transformers model types a run of `config` builds in the launches it forks:
     its `arch: hf` models', and Llama's where advise checks torchtitan's runs (Llama 3.1
     shapes, published.py)."""
-    types = {m["model_type"] for m in config["models"].values() if m.get("arch") == "hf"}
+    # before the config's checks (run_held): a model without its type is theirs to name
+    models = (config.get("models") or {}).values()
+    types = {m.get("model_type") for m in models if isinstance(m, dict) and m.get("arch") == "hf"}
+    types.discard(None)
     advise = config.get("advise") or {}
     if advise.get("enabled") and advise.get("torchtitan"):
         types.add("llama")
@@ -266,7 +269,7 @@ def hf_types(config: dict) -> list[str]:
 
 @contextlib.contextmanager
 def warm_process(
-    env: dict[str, str] | None = None, hf_types: list[str] = ()
+    env: dict[str, str] | None = None, hf_types: Sequence[str] = ()
 ) -> Iterator[str | None]:
     """A warm process for the launches started while this is open, named in this
     process's environment (ENV) so that they find it; stopped on the way out, and gone
