@@ -39,14 +39,18 @@ CONFIG = {
     "timeout_s": 30,
     "cell_timeout_s": 300,
 }
-# The test overlay: what a user sets for their site, plus two settings for a cluster
-# without an accounting database (squeue for status, a short first status check).
-OVERLAY = [
+# What a cluster without an accounting database needs: squeue for status, a short first
+# status check, no account.
+NO_ACCOUNTING = [
     "--slurm-status-command",
     "squeue",
     "--slurm-init-seconds-before-status-checks",
     "2",
     "--slurm-no-account",
+]
+# The test overlay: what a user sets for their site, on such a cluster.
+OVERLAY = [
+    *NO_ACCOUNTING,
     "--default-resources",
     "slurm_partition=test",
     "mem_mb_per_cpu=200",
@@ -244,15 +248,11 @@ def gpu_like(**over) -> dict:
 
 
 def profile(partition: str) -> list[str]:
-    """The Slurm profile and test_slurm.py's overlay, on `partition`."""
+    """The Slurm profile and the overlay's site settings, on `partition`."""
     return [
         "--profile",
         str(REPO / "profiles/slurm"),
-        "--slurm-status-command",
-        "squeue",
-        "--slurm-init-seconds-before-status-checks",
-        "2",
-        "--slurm-no-account",
+        *NO_ACCOUNTING,
         "--default-resources",
         f"slurm_partition={partition}",
         "mem_mb_per_cpu=200",
