@@ -269,9 +269,12 @@ def test_torchtitans_runs_are_predicted_as_stated(torchtitan_rows):
     - Tables 1 and 3 (8B, FSDP: everything the run used is modelled) within 25% on
       tokens/s and memory (measured: +11%, +14%; -15%, -11%), so a prediction 2x off
       either way fails here;
-    - Tables 4 and 5 (70B FSDP x TP, 405B with PP: sequence parallelism, which they
-      ran, is not modelled, and says so) err the way its absence makes them err: TP
-      holds every activation whole, so memory over and tokens/s under the published."""
+    - Tables 4 and 5 (70B FSDP x TP, 405B with PP: TP sequence parallel, as they ran
+      it; compile, Float8 and loss parallel are not modelled, and it says so) err the
+      way their absence makes them err: tokens/s under the published. Table 5 within
+      25% on memory (measured +13%; +108% before TP was sequence parallel); Table 4
+      over it (+242%): its 16 sequences' logits, gathered whole on each tp rank
+      without loss parallel, are 63 GiB in fp32."""
     rows = torchtitan_rows
     assert [r["table"] for r in rows] == ["Table 1", "Table 3", "Table 4", "Table 5"]
     assert set(TORCHTITAN_COLUMNS) >= set(rows[0])
@@ -279,8 +282,10 @@ def test_torchtitans_runs_are_predicted_as_stated(torchtitan_rows):
         assert r["status"] == "ok", r
         assert (r["table"] in ("Table 4", "Table 5")) == bool(r["not_modelled"])
         tps, memory = r["tps_error"], r["memory_error"]
-        if r["not_modelled"]:
+        if r["table"] == "Table 4":
             assert memory > 0.25 and -0.9 < tps < 0, (r["table"], tps, memory)
+        elif r["not_modelled"]:
+            assert abs(memory) < 0.25 and -0.5 < tps < 0, (r["table"], tps, memory)
         else:
             assert abs(tps) < 0.25 and abs(memory) < 0.25, (r["table"], tps, memory)
     t1, t3 = rows[0], rows[1]
@@ -292,8 +297,9 @@ def test_torchtitans_runs_are_predicted_as_stated(torchtitan_rows):
 
 @pytest.mark.xfail(
     strict=True,
-    reason="#45: without sequence parallelism Table 4's rank holds 392 GiB, and a run "
-    "that ran on 96 GB H100s is judged not to fit",
+    reason="#45/#46: without loss parallel Table 4's rank holds 246 GiB (its logits whole), "
+    "and Table 5's 93 GiB leaves no headroom: runs that ran on 96 GB H100s are judged not "
+    "to fit",
 )
 def test_every_published_run_fits_its_gpus(torchtitan_rows):
     """Each of torchtitan's runs ran on its 96 GB H100s: advise must say it fits. Strict:

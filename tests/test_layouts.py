@@ -131,25 +131,28 @@ def _tp_local(name: str, shape: tuple, plan: dict, tp: int) -> list[int]:
     """A parameter's shape on one tp rank: column-wise layers split their outputs (the
     weight's rows, the bias), row-wise their inputs (the weight's columns)."""
     layer, _, kind = name.rpartition(".")
-    style = plan.get(layer) if tp > 1 else None
+    style = str(plan.get(layer)) if tp > 1 else ""
     shape = list(shape)
-    if style == "colwise":
+    # column-wise layers and the sequence-parallel embeddings (split over the
+    # vocabulary, or the positions: their rows) split dim 0
+    if style.startswith(("colwise", "embed", "positions")):
         shape[0] //= tp
-    elif style == "rowwise" and kind == "weight":
+    elif style.startswith("rowwise") and kind == "weight":
         shape[1] //= tp
     return shape
 
 
-def _unit_bytes(model, names: set[str], tp: int, shard: int) -> list[int]:
+def _unit_bytes(model, names: set[str], tp: int, shard: int, plan: dict) -> list[int]:
     """Per FSDP unit holding parameters of `names` (each block, then the root's rest):
-    fp32 bytes of its tp-local parameters, each padded on dim 0 to divide by `shard`."""
+    fp32 bytes of its tp-local parameters (TP's `plan`), each padded on dim 0 to divide
+    by `shard`."""
     units: dict[str, int] = {}
     blocks = model.block_names
     for name, p in model.module.named_parameters():
         if name not in names:
             continue
         unit = next((b for b in blocks if name.startswith(b + ".")), "root")
-        shape = _tp_local(name, tuple(p.shape), model.tp_plan, tp)
+        shape = _tp_local(name, tuple(p.shape), plan, tp)
         shape[0] = -(-shape[0] // shard) * shard
         units[unit] = units.get(unit, 0) + math.prod(shape) * 4
     return list(units.values())
@@ -181,14 +184,19 @@ def derived(model, strategy: str, deg: dict, row) -> dict[str, dict]:
         else {n for n, _ in model.module.named_parameters()}
     )
     out: dict[str, dict] = {}
-    if deg["tp"] > 1:
+    dtensors = any(v.endswith("_dtensor") for v in model.sp_plan.values())
+    sequence = bool(model.sp_plan) and not (dtensors and deg["pp"] > 1)
+    plan = {**model.tp_plan, **model.sp_plan} if sequence else model.tp_plan
+    if deg["tp"] > 1 and sequence:
+        out["tp"] = _sequence_parallel(model, names, act, m, B // dp // m)
+    elif deg["tp"] > 1:
         layers = {
             k: v for k, v in model.tp_plan.items() if any(n.startswith(k + ".") for n in names)
         }
         calls = m * len(layers)  # forward: each row-wise layer; backward: each column-wise
         out["tp"] = {"all_reduce": {"count": calls, "bytes": calls * act}}
     if deg["dp_shard"] > 1:
-        units = _unit_bytes(model, names, deg["tp"], deg["dp_shard"])
+        units = _unit_bytes(model, names, deg["tp"], deg["dp_shard"], plan)
         reshard = rec.options.get("reshard_after_forward") and deg["pp"] == 1
         gathers = 2 if reshard else 1
         out["dp_shard"] = {
@@ -200,11 +208,42 @@ def derived(model, strategy: str, deg: dict, row) -> dict[str, dict]:
                 "all_reduce": {"count": len(units), "bytes": sum(units) // deg["dp_shard"]}
             }
     elif deg["dp_replicate"] > 1:  # DDP: every gradient once (its buckets, their bytes)
-        params = _unit_bytes(model, names, deg["tp"], 1)
+        params = _unit_bytes(model, names, deg["tp"], 1, plan)
         out["dp_replicate"] = {"all_reduce": {"bytes": sum(params)}}
-    if deg["pp"] > 1:  # two stages: each sends m and receives m
-        out["pp"] = {"send": {"count": m, "bytes": m * act}, "recv": {"count": m, "bytes": m * act}}
+    if deg["pp"] > 1:  # two stages: each sends m and receives m (its part of the sequence)
+        part = act // deg["tp"] if sequence else act
+        out["pp"] = {
+            "send": {"count": m, "bytes": m * part},
+            "recv": {"count": m, "bytes": m * part},
+        }
     return out
+
+
+def _sequence_parallel(model, names: set, act: int, m: int, micro: int) -> dict:
+    """What sequence-parallel TP sends per step, counted at the whole tensor's size, from
+    the styles of the layers this stage holds (strategies/tp.py): a gathered input and
+    the row-wise and embedding outputs scattered onto the sequence, each once forward
+    and once backward (an all-gather one way, a reduce-scatter the other); the position
+    table's (positions x width), the head's logits gathered (its vocabulary split)."""
+    here = {
+        k: v
+        for k, v in model.sp_plan.items()
+        if any(n.startswith(k + ".") for n in names) or k in {n.rsplit(".", 1)[0] for n in names}
+    }
+    pairs = sum(v != "sequence" for v in here.values())  # one all-gather, one reduce-scatter
+    sizes = {"positions_to_sequence": act // micro}
+    bytes_ = sum(sizes.get(v, act) for v in here.values() if v != "sequence")
+    gather = {"count": m * pairs, "bytes": m * bytes_}
+    scatter = dict(gather)
+    if "colwise_from_sequence" in here.values():  # the logits, gathered whole
+        head = model.module.get_submodule(
+            next(k for k, v in here.items() if v == "colwise_from_sequence")
+        )
+        gather = {
+            "count": gather["count"] + m,
+            "bytes": gather["bytes"] + m * act // _hidden(model) * head.out_features,
+        }
+    return {"all_gather": gather, "reduce_scatter": scatter}
 
 
 def _hidden(model) -> int:

@@ -96,9 +96,12 @@ def test_a_presets_planning_facts_are_those_of_the_model_it_builds(arch, sizes):
     assert known.has_tp_plan == bool(model.tp_plan)
     assert known.n_params == sum(p.numel() for p in model.module.parameters())
     widths = tp_widths(model)
-    if arch == "gpt":  # heads split whole: the q, k, v widths in units of one head
+    if arch == "gpt":  # heads split whole: the q, k, v widths in units of one head;
         head_dim = spec.size_dict()["d_model"] // spec.size_dict()["n_head"]
         widths = tuple(dict.fromkeys(w // head_dim for w in widths))
+        # and the sequence, which sequence parallelism splits between blocks
+        assert model.sp_plan
+        widths += (spec.size_dict()["seq_len"],)
     for devices in range(1, 9):
         splits = all(w % devices == 0 for w in widths)
         assert (known.tp_problem(devices) is None) == splits, (devices, widths)

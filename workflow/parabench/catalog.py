@@ -218,6 +218,12 @@ _RESHARD = Option(
     "true frees gathered parameters after forward (ZeRO-3); false keeps "
     "them to backward (ZeRO-2-like)",
 )
+_SEQUENCE = Option(
+    True,
+    "true shards the activations between blocks over the sequence (sequence parallel, "
+    "as Megatron-LM and torchtitan run TP) where the model declares how; false keeps "
+    "them whole on every tp rank",
+)
 # A layout's records: every one is the same class (strategies/layout.py), applying its
 # degrees to the model in torchtitan's order; each differs by its declaration only.
 _LAYOUT = {"impl": "layout:Layout", "launch": RANK_PER_DEVICE, "batch_split": "mesh"}
@@ -303,10 +309,12 @@ _RECORDS = (
         "tp",
         "tensor parallel",
         "tp:TensorParallel",
-        "DTensor `parallelize_module`: the model's layer pairs split column- then row-wise",
+        "DTensor `parallelize_module`: the model's layer pairs split column- then row-wise, "
+        "the sequence between them sharded",
         launch=RANK_PER_DEVICE,
         needs_tp_plan=True,
         sends="activations",
+        options={"sequence_parallel": _SEQUENCE},
         degrees=Degrees(tp=REST),
     ),
     StrategyRecord(
@@ -349,6 +357,7 @@ _RECORDS = (
         options={
             "tp": _degree("tp", "ranks that split each layer; dp_shard takes the rest"),
             "reshard_after_forward": _RESHARD,
+            "sequence_parallel": _SEQUENCE,
         },
         **_LAYOUT,
     ),
@@ -383,7 +392,7 @@ _RECORDS = (
         step="pipeline stages over pp, each stage's layers split by tensor parallelism",
         degrees=Degrees(pp="pp", tp=REST),
         needs_tp_plan=True,
-        **_STAGED,
+        **{**_STAGED, "options": {**_STAGED["options"], "sequence_parallel": _SEQUENCE}},
     ),
 )
 

@@ -75,6 +75,7 @@ class Shape:
     blocks: int = 0  # repeated blocks in the stage; 0: the model's own depth
     precision: str = "bf16"
     optimizer: str = "adamw"
+    sequence: bool = True  # TP sequence parallel, where the model declares how
 
     @property
     def world(self) -> int:
@@ -377,9 +378,10 @@ def _parallelize(model: Model, shape: Shape, mesh: NamedMesh | None) -> None:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     from parabench.strategies.layout import apply_tp
+    from parabench.strategies.tp import plan_of
 
     if shape.tp > 1:
-        apply_tp(model.module, mesh, model.tp_plan)
+        apply_tp(model.module, mesh, plan_of(model, shape.sequence))
     checkpointing.apply(model.blocks(), shape.ac)
     if shape.dp_shard == 1 and shape.dp_replicate == 1:
         return

@@ -149,6 +149,7 @@ def rank(
         if device == "cuda":  # as runtime.start makes a cell's rank's device current
             torch.cuda.set_device(dev)
         ctx = runtime.with_meshes(ctx, spec)
+        _forget_other_ranks()
         with torch.device("meta"):
             model = build(spec.model, spec.seed)
         # The batch is drawn on the CPU and moved (no CUDA generator stands in here).
@@ -173,6 +174,23 @@ def rank(
         got["flops_per_step"] = counting.work.flops()
         got["compute_s_estimate"] = counting.work.seconds(gpu)
     return got
+
+
+def _forget_other_ranks() -> None:
+    """Empty DTensor's cache of sharding decisions: its entries hold the local shapes
+    of the rank that made them (keyed by global shapes and placements), which differ
+    on another rank of an uneven split (a vocabulary of 50,257 over 4: 12,565 rows on
+    rank 0, 12,562 on rank 3). A process is one rank in a real run; here it runs
+    many. Both caches go: the fast path's (C++) and the Python one, per thread
+    (autograd runs backward in one of its own), which a new one replaces."""
+    import torch
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._sharding_prop import LocalLRUCache
+
+    if clear := getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None):
+        clear()
+    rules = DTensor._op_dispatcher.sharding_propagator
+    rules.propagate_op_sharding = LocalLRUCache(rules.propagate_op_sharding_non_cached)
 
 
 def node_ranks(spec: RunSpec, device: str, gpus_per_node: int) -> int:

@@ -10,6 +10,9 @@ A model is a module plus a loss and a batch generator:
   one's output; any other module runs its own forward, unchanged.
 - tp_plan (optional): module name (relative to the module) -> "colwise" | "rowwise"
   (or a torch ParallelStyle), each column-wise layer followed by its row-wise partner
+- sp_plan (optional): what makes that plan sequence parallel (strategies/tp.py's
+  STYLES): the norms, each block's input, the row-wise layers' outputs, the embedding
+  and the head, for a model whose activations are (batch, sequence, width)
 """
 
 from __future__ import annotations
@@ -41,6 +44,8 @@ class Model:
     # Tensor parallelism: module names (relative to `module`) -> "colwise" | "rowwise".
     tp_plan: dict = field(default_factory=dict)
     device_batches: bool = True
+    # Sequence parallelism: names -> STYLES of strategies/tp.py, over and beside tp_plan.
+    sp_plan: dict = field(default_factory=dict)
     tokens_per_sample: int = 0  # language models: tokens in one sample (throughput)
     # The repeated blocks' names in `module`; an nn.Sequential's are its children.
     block_names: tuple[str, ...] = ()

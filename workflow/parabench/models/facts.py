@@ -29,6 +29,11 @@ DEFAULTS: dict[str, dict] = {
 PRESETS: tuple[str, ...] = ("mlp", "seqnet", "resmlp", "gpt")
 
 
+# What sequence parallelism splits (strategies/tp.py), checked whether or not a cell
+# asks for it: the option is per strategy, the facts per model.
+SEQUENCE = "the sequence between blocks (sequence parallel; sequence_parallel: false keeps it)"
+
+
 @dataclass(frozen=True)
 class TPSplit:
     """Widths that tensor parallelism cuts into one slice per rank, and the size key
@@ -118,11 +123,13 @@ def _gpt(sizes: Mapping) -> ModelFacts:
     d, heads = sizes["d_model"], sizes["n_head"]
     problems = () if d % heads == 0 else (f"d_model: {d} is not divisible by n_head ({heads})",)
     split = TPSplit("n_head", "attention heads", (heads,))
+    sequence = TPSplit("seq_len", SEQUENCE, (sizes["seq_len"],))
     # embeddings; per block two LayerNorms, q, k, v, out, the 4x MLP; LayerNorm + head
     block = 4 * d + 4 * _linear(d, d) + _linear(d, 4 * d) + _linear(4 * d, d)
     vocab = sizes["vocab"]
     n = (vocab + sizes["seq_len"]) * d + sizes["n_layer"] * block + 2 * d + vocab * d
-    return ModelFacts(len(gpt_layout(sizes["n_layer"])), True, (split,), problems, n_params=n)
+    splits = (split, sequence)
+    return ModelFacts(len(gpt_layout(sizes["n_layer"])), True, splits, problems, n_params=n)
 
 
 PRESET_FACTS = {"mlp": _mlp, "seqnet": _mlp, "resmlp": _resmlp, "gpt": _gpt}

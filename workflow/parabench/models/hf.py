@@ -27,7 +27,7 @@ from __future__ import annotations
 import functools
 from typing import TYPE_CHECKING
 
-from parabench.models.facts import ModelFacts, TPSplit
+from parabench.models.facts import SEQUENCE, ModelFacts, TPSplit
 
 if TYPE_CHECKING:
     import torch
@@ -93,6 +93,7 @@ def facts(spec: ModelSpec) -> ModelFacts:
     plan = dict(config.base_model_tp_plan or {})
     what = "attention heads, key/value heads and MLP width"
     split = TPSplit("config", what, _plan_widths(config))
+    sequence = TPSplit("seq_len", SEQUENCE, (int(spec.size_dict()["seq_len"]),))
     why = None
     if other := sorted({v for v in plan.values() if v not in STYLES}):
         # Dropping them would leave layers whose gradients TP must all-reduce (q/k
@@ -123,7 +124,11 @@ def facts(spec: ModelSpec) -> ModelFacts:
             "whose first or last layer is dropped has nothing to receive or send"
         )
     return ModelFacts(
-        _layers(config), bool(plan), (split,) if plan else (), cut_skip=cut, tp_skip=why
+        _layers(config),
+        bool(plan),
+        (split, sequence) if plan else (),
+        cut_skip=cut,
+        tp_skip=why,
     )
 
 
@@ -179,11 +184,13 @@ def build(spec: ModelSpec) -> Model:
         copy.hf.set_attn_implementation("eager")
         return copy
 
+    plan = tp_plan(module, config)
     return Model(
         module,
         loss,
         batch,
-        tp_plan(module, config),
+        plan,
+        sp_plan=sp_plan(module, names, plan),
         device_batches=False,
         tokens_per_sample=seq_len,
         block_names=names,
@@ -209,6 +216,35 @@ def tp_plan(module: nn.Module, config) -> dict[str, str]:
             raise HFError(f"the tensor-parallel plan's {pattern!r} names no module under {base}")
         out.update(dict.fromkeys(found, style))
     return out
+
+
+def sp_plan(module: nn.Module, blocks: tuple[str, ...], plan: dict[str, str]) -> dict[str, str]:
+    """Sequence parallelism for a decoder shaped as Llama and its kin (strategies/tp.py):
+    the input embedding, each block's two norms and the final one, each block's planned
+    attention and MLP, the head. The hidden states stay DTensors (`_dtensor` styles):
+    the model's own code reads positions and masks off their length. Empty where the
+    model is not so shaped (its TP then keeps the sequence whole, and says so)."""
+    from torch import nn
+
+    hf = module.hf
+    embed, head = hf.get_input_embeddings(), hf.get_output_embeddings()
+    names = {m: n for n, m in module.named_modules()}
+    base = names[hf.base_model]
+    final = [n for n, m in hf.base_model.named_children() if type(m).__name__.endswith("Norm")]
+    if not (isinstance(embed, nn.Embedding) and isinstance(head, nn.Linear) and len(final) == 1):
+        return {}
+    sp = {names[embed]: "embed_to_sequence_dtensor", f"{base}.{final[0]}": "sequence"}
+    sp[names[head]] = "colwise_from_sequence"
+    for block in blocks:
+        children = dict(module.get_submodule(block).named_children())
+        norms = [n for n, m in children.items() if type(m).__name__.endswith("Norm")]
+        inner = {n for n in children if any(k.startswith(f"{block}.{n}.") for k in plan)}
+        if len(norms) != 2 or len(inner) != 2:
+            return {}
+        sp.update({f"{block}.{n}": "sequence" for n in norms})
+        sp.update({f"{block}.{n}": "gather" for n in inner})
+    sp.update({k: "rowwise_to_sequence_dtensor" for k, v in plan.items() if v == "rowwise"})
+    return sp
 
 
 def preload(spec: ModelSpec) -> None:

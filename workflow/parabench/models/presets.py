@@ -211,7 +211,25 @@ def _gpt(sizes: Mapping) -> Model:
             plan[f"{i}.{name}"] = "colwise"
         for name in ("attn.out", "mlp.proj"):
             plan[f"{i}.{name}"] = "rowwise"
-    return Model(blocks, lm_loss, token_batch(vocab, seq_len), plan, tokens_per_sample=seq_len)
+    # Sequence parallel (torchtitan's plan for Llama, on nanoGPT's modules): each block's
+    # norms on its part of the sequence, its attention's and MLP's input gathered, their
+    # row-wise outputs reduce-scattered; the embeddings and the head split over the
+    # vocabulary (the position table over positions, added to the matching part).
+    last = n_layer + 1
+    sp = {"0.wte": "embed_to_sequence", "0.wpe": "positions_to_sequence"}
+    for i in range(1, last):
+        for norm, inner, out in (("ln1", "attn", "attn.out"), ("ln2", "mlp", "mlp.proj")):
+            sp[f"{i}.{norm}"], sp[f"{i}.{inner}"] = "sequence", "gather"
+            sp[f"{i}.{out}"] = "rowwise_to_sequence"
+    sp[f"{last}.ln_f"], sp[f"{last}.lm_head"] = "sequence", "colwise_from_sequence"
+    return Model(
+        blocks,
+        lm_loss,
+        token_batch(vocab, seq_len),
+        plan,
+        tokens_per_sample=seq_len,
+        sp_plan=sp,
+    )
 
 
 _BUILDERS: dict[str, Callable[[Mapping], Model]] = {

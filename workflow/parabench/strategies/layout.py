@@ -45,7 +45,7 @@ from parabench.strategies.base import (
 )
 from parabench.strategies.fsdp import mark_launches
 from parabench.strategies.pipeline import InPrecision, StageRun
-from parabench.strategies.tp import styles
+from parabench.strategies.tp import plan_of, sequence_parallel, styles
 
 
 class Layout(Strategy):
@@ -67,10 +67,12 @@ class Layout(Strategy):
             cut = stages.cut(model, how, lo, hi)
             micro = spec.global_batch // self.dp // spec.option("microbatches")
             example = stages.boundary(model, how, self.stage_cuts, index, micro)
+            if deg["tp"] > 1 and sequence_parallel(model, spec):
+                example = on_sequence(example, index, deg)
             part, blocks = cut.part, blocks[lo:hi]
         part.to(ctx.device)
         if deg["tp"] > 1:  # 2. the plan's layers this stage holds
-            apply_tp(part, mesh, model.tp_plan)
+            apply_tp(part, mesh, plan_of(model, sequence_parallel(model, spec)))
         # 3. the model's repeated blocks that AC picks, those of this stage
         checkpointing.apply(model.blocks(), spec.ac, within=blocks)
         if spec.compile:  # 4. each block's forward, in place
@@ -127,6 +129,20 @@ class Layout(Strategy):
         m = self.mesh
         first = all(m.coordinate(d) == 0 for d in ("dp_replicate", "dp_shard", "tp"))
         return gather_state(whole if first else {}, self.ctx)
+
+
+def on_sequence(
+    example: tuple[torch.Tensor, torch.Tensor], index: int, deg: dict[str, int]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A stage's (input, output) as sequence parallelism passes them between stages:
+    this rank's part of the sequence (dim 1), except the first stage's input (the
+    tokens, whole) and the last stage's output (the logits, gathered)."""
+    x, out = example
+    if index > 0:
+        x = x.tensor_split(deg["tp"], dim=1)[0].contiguous()
+    if index < deg["pp"] - 1:
+        out = out.tensor_split(deg["tp"], dim=1)[0].contiguous()
+    return x, out
 
 
 def apply_tp(part: nn.Module, mesh: NamedMesh, plan: dict) -> None:
