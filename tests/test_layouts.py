@@ -188,7 +188,8 @@ def derived(model, strategy: str, deg: dict, row) -> dict[str, dict]:
     sequence = bool(model.sp_plan) and not (dtensors and deg["pp"] > 1)
     plan = {**model.tp_plan, **model.sp_plan} if sequence else model.tp_plan
     if deg["tp"] > 1 and sequence:
-        out["tp"] = _sequence_parallel(model, names, act, m, B // dp // m)
+        # outside a pipeline the loss runs on the split logits (tp.loss_parallel)
+        out["tp"] = _sequence_parallel(model, names, act, m, B // dp // m, deg["pp"] > 1)
     elif deg["tp"] > 1:
         layers = {
             k: v for k, v in model.tp_plan.items() if any(n.startswith(k + ".") for n in names)
@@ -219,12 +220,15 @@ def derived(model, strategy: str, deg: dict, row) -> dict[str, dict]:
     return out
 
 
-def _sequence_parallel(model, names: set, act: int, m: int, micro: int) -> dict:
+def _sequence_parallel(
+    model, names: set, act: int, m: int, micro: int, gathered_logits: bool
+) -> dict:
     """What sequence-parallel TP sends per step, counted at the whole tensor's size, from
     the styles of the layers this stage holds (strategies/tp.py): a gathered input and
     the row-wise and embedding outputs scattered onto the sequence, each once forward
     and once backward (an all-gather one way, a reduce-scatter the other); the position
-    table's (positions x width), the head's logits gathered (its vocabulary split)."""
+    table's (positions x width); in a pipeline, the head's logits gathered whole (its
+    vocabulary split); outside one the loss takes them split (loss_parallel)."""
     here = {
         k: v
         for k, v in model.sp_plan.items()
@@ -235,7 +239,7 @@ def _sequence_parallel(model, names: set, act: int, m: int, micro: int) -> dict:
     bytes_ = sum(sizes.get(v, act) for v in here.values() if v != "sequence")
     gather = {"count": m * pairs, "bytes": m * bytes_}
     scatter = dict(gather)
-    if "colwise_from_sequence" in here.values():  # the logits, gathered whole
+    if gathered_logits and "colwise_from_sequence" in here.values():  # the logits, whole
         head = model.module.get_submodule(
             next(k for k, v in here.items() if v == "colwise_from_sequence")
         )

@@ -46,6 +46,7 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor.parallel import loss_parallel
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from parabench import envinfo, gpus, peak, runtime
@@ -381,7 +382,7 @@ def _parallelize(model: Model, shape: Shape, mesh: NamedMesh | None) -> None:
     from parabench.strategies.tp import plan_of
 
     if shape.tp > 1:
-        apply_tp(model.module, mesh, plan_of(model, shape.sequence))
+        apply_tp(model.module, mesh, plan_of(model, shape.sequence, split_loss(model, shape)))
     checkpointing.apply(model.blocks(), shape.ac)
     if shape.dp_shard == 1 and shape.dp_replicate == 1:
         return
@@ -460,6 +461,16 @@ def rank(spec: ModelSpec, shape: Shape, fake: bool = True) -> Iterator[Rank]:
             yield Rank(model, opt, batch, shape, dims, boundary)
 
 
+def split_loss(model: Model, shape: Shape) -> bool:
+    """Whether the rank's loss runs on vocabulary-split logits, as a cell's would
+    (tp.loss_parallel): sequence-parallel TP and a split head. A stage here is a model
+    of its blocks, so torchtitan's pipelines, which keep the loss parallel, are priced
+    with it."""
+    from parabench.strategies.tp import HEAD
+
+    return shape.tp > 1 and shape.sequence and HEAD in model.sp_plan.values()
+
+
 def step(r: Rank, counting: Counting | None = None) -> None:
     """One training step of the rank: forward, backward, optimizer (the optimizer's ops
     booked as its own phase where `counting`)."""
@@ -473,7 +484,8 @@ def step(r: Rank, counting: Counting | None = None) -> None:
     x, y = r.batch
     with autocast:
         out = r.module(x)
-    r.model.loss_fn(out, y).backward()
+    with loss_parallel() if split_loss(r.model, shape) else contextlib.nullcontext():
+        r.model.loss_fn(out, y).backward()
     if counting is not None:
         counting.phase = OPTIMIZER
     r.optimizer.step()

@@ -137,10 +137,7 @@ def llama3_model(name: str, seq_len: int = 8192) -> dict:
 
 _NOT_FLOAT8 = (
     "torch.compile and Float8 were on in the run; advise prices eager BF16 (Float8 "
-    "matmuls run up to twice as fast, compile fuses the memory-bound ops). Loss "
-    "parallel: torchtitan's TP keeps the logits split over the vocabulary into the "
-    "loss, parabench's gathers them whole on every tp rank (its head is split, its "
-    "activations sequence parallel, as torchtitan's)"
+    "matmuls run up to twice as fast, compile fuses the memory-bound ops)"
 )
 
 # torchtitan's benchmarks/llama3_h100_202412_torchtitan.md: "Each host has 8 NVIDIA

@@ -24,7 +24,9 @@ it. transformers is an optional extra (`pip install .[hf]`), imported only here.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from parabench.models.facts import SEQUENCE, ModelFacts, TPSplit
@@ -143,9 +145,32 @@ def _causal_lm():
             self.hf = hf
 
         def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-            return self.hf(input_ids=input_ids, use_cache=False).logits
+            with _masks_as_on_real(input_ids):
+                return self.hf(input_ids=input_ids, use_cache=False).logits
 
     return CausalLM
+
+
+@contextlib.contextmanager
+def _masks_as_on_real(input_ids: torch.Tensor) -> Iterator[None]:
+    """On fake tensors (advise, the rehearsal), transformers' causal mask as a real step
+    makes it: none, left to SDPA's is_causal. transformers reads the position ids to
+    find sequences packed into one row; on fake tensors it cannot read them, takes the
+    batch for packed, and builds a (batch, 1, seq, seq) mask and its grad path that no
+    GPU run holds (a 4-rank llama's fake peak was 11% over the real one). parabench's
+    batches are never packed: one sequence per row."""
+    from torch._subclasses.fake_tensor import is_fake
+    from transformers import masking_utils
+
+    if not is_fake(input_ids):
+        yield
+        return
+    find = masking_utils.find_packed_sequence_indices
+    masking_utils.find_packed_sequence_indices = lambda position_ids: None
+    try:
+        yield
+    finally:
+        masking_utils.find_packed_sequence_indices = find
 
 
 def build(spec: ModelSpec) -> Model:

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
 
 from parabench.data import Shard
 from parabench.flops import block_flops
@@ -188,19 +189,25 @@ def train_step(
     x: torch.Tensor,
     y: torch.Tensor,
     precision: contextlib.AbstractContextManager,
+    split_loss: bool = False,
 ) -> torch.Tensor:
     """Plain forward, backward, update: the baseline every strategy is measured against.
-    Its regions (marks.py) are what the anatomy reads."""
+    Its regions (marks.py) are what the anatomy reads. With `split_loss`, the loss and
+    its backward run under torch's loss_parallel (logits split over the vocabulary:
+    tp.loss_parallel); the loss returned is this rank's plain tensor either way."""
+    split = loss_parallel if split_loss else contextlib.nullcontext
     opt.zero_grad(set_to_none=True)
     with region(FORWARD):
         with precision:
             out = module(x)
-        loss = loss_fn(out, y)
-    with region(BACKWARD):
+        with split():
+            loss = loss_fn(out, y)
+    with region(BACKWARD), split():
         loss.backward()
     with region(OPTIMIZER):
         opt.step()
-    return loss.detach()
+    loss = loss.detach()
+    return loss.to_local() if isinstance(loss, DTensor) else loss
 
 
 def stage_cuts(model: Model, how: Trace, stages: int) -> list[tuple[int, int]]:

@@ -45,7 +45,7 @@ from parabench.strategies.base import (
 )
 from parabench.strategies.fsdp import mark_launches
 from parabench.strategies.pipeline import InPrecision, StageRun
-from parabench.strategies.tp import plan_of, sequence_parallel, styles
+from parabench.strategies.tp import loss_parallel, plan_of, sequence_parallel, styles
 
 
 class Layout(Strategy):
@@ -58,6 +58,7 @@ class Layout(Strategy):
         self.degrees, self.mesh = deg, mesh
         self.dp = deg["dp_replicate"] * deg["dp_shard"]
         self.run: StageRun | None = None
+        self.split_loss = False  # the loss on vocabulary-split logits (tp.loss_parallel)
         part, blocks, example = model.module, model.blocks(), None
         if deg["pp"] > 1:  # 1. this rank's stage, and its example tensors now
             how = stages.trace(model)
@@ -72,7 +73,8 @@ class Layout(Strategy):
             part, blocks = cut.part, blocks[lo:hi]
         part.to(ctx.device)
         if deg["tp"] > 1:  # 2. the plan's layers this stage holds
-            apply_tp(part, mesh, plan_of(model, sequence_parallel(model, spec)))
+            sequence, self.split_loss = sequence_parallel(model, spec), loss_parallel(model, spec)
+            apply_tp(part, mesh, plan_of(model, sequence, self.split_loss))
         # 3. the model's repeated blocks that AC picks, those of this stage
         checkpointing.apply(model.blocks(), spec.ac, within=blocks)
         if spec.compile:  # 4. each block's forward, in place
@@ -113,7 +115,9 @@ class Layout(Strategy):
         # loss) of each sums to the global mean.
         holders = self.ctx.world_size // self.degrees["pp"]
         if self.run is None:
-            loss = train_step(self.root, self.loss_fn, self.opt, x, y, self.autocast())
+            loss = train_step(
+                self.root, self.loss_fn, self.opt, x, y, self.autocast(), self.split_loss
+            )
         else:
             loss = self.run.train_step(x, y, self.opt)
         return loss / holders

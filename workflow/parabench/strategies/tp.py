@@ -38,6 +38,8 @@ from parabench.runtime import Context
 from parabench.spec import RunSpec
 from parabench.strategies.base import Strategy, full_params, make_optimizer, train_step
 
+HEAD = "colwise_from_sequence"  # a sequence-parallel model's head (its sp_plan names it)
+
 # The styles a plan names, by what each does to a (batch, sequence, width) activation.
 STYLES = {
     "colwise": ColwiseParallel,  # whole input; this rank's slice of the outputs
@@ -68,8 +70,10 @@ STYLES = {
         input_layouts=Replicate(), output_layouts=Shard(0)
     ),
     # The head: the sequence gathered, the vocabulary split, the logits whole:
-    "colwise_from_sequence": lambda: ColwiseParallel(
-        input_layouts=Shard(1), output_layouts=Replicate()
+    HEAD: lambda: ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+    # or the logits left split over the vocabulary, into a loss under loss_parallel:
+    "colwise_to_loss": lambda: ColwiseParallel(
+        input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False
     ),
 }
 
@@ -103,10 +107,26 @@ def styles(plan: dict) -> dict:
     return {fqn: STYLES[s]() if isinstance(s, str) else s for fqn, s in plan.items()}
 
 
-def plan_of(model: Model, sequence: bool) -> dict:
+def plan_of(model: Model, sequence: bool, loss: bool = False) -> dict:
     """The model's tensor-parallel plan, sequence parallel where `sequence` and the
-    model declares how (its sp_plan, which overrides and adds to its tp_plan)."""
-    return {**model.tp_plan, **model.sp_plan} if sequence else dict(model.tp_plan)
+    model declares how (its sp_plan, which overrides and adds to its tp_plan); its
+    head's logits left split for a parallel loss where `loss` (loss_parallel)."""
+    if not sequence:
+        return dict(model.tp_plan)
+    plan = {**model.tp_plan, **model.sp_plan}
+    return {k: "colwise_to_loss" if loss and v == HEAD else v for k, v in plan.items()}
+
+
+def loss_parallel(model: Model, spec: RunSpec) -> bool:
+    """Whether the cell's loss runs on logits split over the vocabulary (torch's
+    loss_parallel, as torchtitan's default): where TP is sequence parallel and the
+    model's head is split, outside a pipeline (whose last stage gives the schedule a
+    plain tensor, as its declared example is)."""
+    return (
+        sequence_parallel(model, spec)
+        and spec.degrees["pp"] == 1
+        and HEAD in model.sp_plan.values()
+    )
 
 
 def sequence_parallel(model: Model, spec: RunSpec) -> bool:
@@ -126,14 +146,17 @@ class TensorParallel(Strategy):
         super().__init__(model, spec, ctx)
         mesh = ctx.mesh()
         blocks = model.module.to(ctx.device)
-        plan = plan_of(model, sequence_parallel(model, spec))
+        self.split_loss = loss_parallel(model, spec)
+        plan = plan_of(model, sequence_parallel(model, spec), self.split_loss)
         parallelize_module(blocks, mesh, styles(plan))
         self.module = blocks
         self.opt = make_optimizer(blocks.parameters(), spec)
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         # Every rank computes the same global loss; each contributes 1/n of it.
-        loss = train_step(self.module, self.loss_fn, self.opt, x, y, self.autocast())
+        loss = train_step(
+            self.module, self.loss_fn, self.opt, x, y, self.autocast(), self.split_loss
+        )
         return loss / self.ctx.world_size
 
     def full_state(self) -> dict[str, torch.Tensor] | None:
