@@ -40,6 +40,7 @@ import dataclasses
 import functools
 import itertools
 import sys
+import threading
 import time
 from collections.abc import Iterator
 
@@ -497,9 +498,41 @@ def local_bytes(t: torch.Tensor) -> int:
     return _nbytes(_local(t))
 
 
+# Depth of DTensor's sharding propagation on this thread's stack (see _shadows).
+_SHADOW = threading.local()
+
+
+@functools.cache
+def _shadows() -> None:
+    """Mark DTensor's sharding propagation while it runs. To learn an op's output
+    strides it runs the op on fake tensors of the global shape (torch calls them
+    "shadow" tensors), inside the active fake mode, so a tracker's mode sees them as
+    allocations: a 70B TP rank's logits counted whole, 63 GiB twice over, where the
+    rank holds 1/8 of them. A real run allocates none of them."""
+    from torch.distributed.tensor._sharding_prop import ShardingPropagator
+
+    meta = ShardingPropagator._propagate_tensor_meta_non_cached
+
+    @functools.wraps(meta)
+    def marked(self, op_schema):
+        _SHADOW.depth = getattr(_SHADOW, "depth", 0) + 1
+        try:
+            return meta(self, op_schema)
+        finally:
+            _SHADOW.depth -= 1
+
+    ShardingPropagator._propagate_tensor_meta_non_cached = marked
+
+
+def _in_shadow() -> bool:
+    return getattr(_SHADOW, "depth", 0) > 0
+
+
 @functools.cache
 def _tracker_class() -> type:
     from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker
+
+    _shadows()
 
     class PeakTracker(MemTracker):
         """torch's MemTracker keeping its step-wide peak only: its per-module peaks,
@@ -508,9 +541,10 @@ def _tracker_class() -> type:
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             # a device query (_DEVICE) makes no tensor and frees none: nothing to track,
-            # and the peak cannot move (every op that allocates updates it as it runs)
-            if func is _DEVICE:
-                return func(*args)
+            # and the peak cannot move (every op that allocates updates it as it runs);
+            # nor do DTensor's shadow tensors exist on the rank (_shadows)
+            if func is _DEVICE or _in_shadow():
+                return func(*args, **(kwargs or {}))
             return super().__torch_dispatch__(func, types, args, kwargs)
 
         def _update_peak_stats(self, peak_state) -> None:
