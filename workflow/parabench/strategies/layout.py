@@ -45,7 +45,7 @@ from parabench.strategies.base import (
 )
 from parabench.strategies.fsdp import mark_launches
 from parabench.strategies.pipeline import InPrecision, StageRun
-from parabench.strategies.tp import loss_parallel, plan_of, sequence_parallel, styles
+from parabench.strategies.tp import plan_for, sequence_parallel, styles
 
 
 class Layout(Strategy):
@@ -73,8 +73,8 @@ class Layout(Strategy):
             part, blocks = cut.part, blocks[lo:hi]
         part.to(ctx.device)
         if deg["tp"] > 1:  # 2. the plan's layers this stage holds
-            sequence, self.split_loss = sequence_parallel(model, spec), loss_parallel(model, spec)
-            apply_tp(part, mesh, plan_of(model, sequence, self.split_loss))
+            plan, self.split_loss = plan_for(model, spec)
+            apply_tp(part, mesh, plan)
         # 3. the model's repeated blocks that AC picks, those of this stage
         checkpointing.apply(model.blocks(), spec.ac, within=blocks)
         if spec.compile:  # 4. each block's forward, in place

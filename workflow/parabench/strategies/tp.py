@@ -129,6 +129,13 @@ def loss_parallel(model: Model, spec: RunSpec) -> bool:
     )
 
 
+def plan_for(model: Model, spec: RunSpec) -> tuple[dict, bool]:
+    """A cell's TP plan (plan_of, as its options and the model allow) and whether its
+    loss runs on the split logits (loss_parallel)."""
+    split = loss_parallel(model, spec)
+    return plan_of(model, sequence_parallel(model, spec), split), split
+
+
 def sequence_parallel(model: Model, spec: RunSpec) -> bool:
     """Whether the cell's TP runs sequence parallel: asked, and the model allows it.
     Not in a pipeline whose stages would pass DTensors (a model whose hidden states
@@ -146,8 +153,7 @@ class TensorParallel(Strategy):
         super().__init__(model, spec, ctx)
         mesh = ctx.mesh()
         blocks = model.module.to(ctx.device)
-        self.split_loss = loss_parallel(model, spec)
-        plan = plan_of(model, sequence_parallel(model, spec), self.split_loss)
+        plan, self.split_loss = plan_for(model, spec)
         parallelize_module(blocks, mesh, styles(plan))
         self.module = blocks
         self.opt = make_optimizer(blocks.parameters(), spec)
