@@ -23,7 +23,10 @@ def _spin(seconds: float) -> None:
 
 def test_a_region_splits_its_wall_time_into_on_core_and_blocked():
     """50 ms on the core, then 50 ms asleep: the region says so, by the same count
-    as the thread's CPU clock (within a millisecond: the clocks' own reads)."""
+    as the thread's CPU clock. Within 3 ms: perf's task clock and the thread's CPU
+    clock account a switch in and out of the core apart, and on a loaded host (CI,
+    two test workers on two cores) they were seen 1.4 ms apart over these 50 ms; a
+    process-wide clock, or the wrong thread's, would be off by whole spins."""
     with marks.recording(), marks.region(marks.LAUNCH):  # record_function's first use
         pass
     with marks.recording() as found:
@@ -33,7 +36,7 @@ def test_a_region_splits_its_wall_time_into_on_core_and_blocked():
             time.sleep(0.05)
         cpu = time.thread_time() - cpu0
     (launch,) = found
-    assert launch.cpu_s == pytest.approx(cpu, abs=1e-3)
+    assert launch.cpu_s == pytest.approx(cpu, abs=3e-3)
     assert launch.cpu_s == pytest.approx(0.05, abs=5e-3)
     assert launch.blocked_s == pytest.approx(0.05, abs=1e-2)
 

@@ -106,7 +106,17 @@ def test_interrupted_sweep_resumes_without_rerunning_finished_cells(tmp_path, si
     while len(metas(tmp_path)) < 2 if (tmp_path / "results/runs").exists() else True:
         assert time.monotonic() < deadline and proc.poll() is None, "sweep ended too soon"
         time.sleep(0.2)
-    time.sleep(1.5)  # well inside the next cell
+    # Into the next cell: a launch whose cell has no record yet (not the one whose record
+    # was just written, on its way out). Not a fixed wait: warm launches of these cells
+    # take about a second each, and 1.5 s once let both that were left finish.
+    while not any(
+        not (tmp_path / cmd.split(" --out ")[1].split()[0] / "meta.json").exists()
+        for cmd in running_in(tmp_path)
+        if " launch " in cmd and " --out " in cmd
+    ):
+        assert time.monotonic() < deadline and proc.poll() is None, "sweep ended too soon"
+        time.sleep(0.05)
+    time.sleep(0.2)
     # SIGINT to the process group is a Ctrl-C in a terminal; SIGKILL of the group is a
     # killed session: no handler runs, not Snakemake's and not the guard's.
     os.killpg(proc.pid, sig)
