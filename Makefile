@@ -27,6 +27,9 @@ STAMP  := $(VENV)/.parabench-installed
 # tensors). The tests' and lint's tools (`dev`) and Holistic Trace Analysis (`trace`),
 # which the run does not need, come with make test and make lint only.
 DEV_STAMP := $(VENV)/.parabench-dev-installed
+# Holistic Trace Analysis, for tests/test_gpu_trace.py: without the dependencies its
+# metadata declares (jupyterlab), with those it imports (pyproject's `trace` extra).
+HTA := HolisticTraceAnalysis==0.5.0
 # Byte-compiled on every core (compileall -j 0) rather than by pip, one file at a time:
 # half the time on two. Compiled it must be: where PYTHONDONTWRITEBYTECODE is set, as
 # on our machines, nothing imported later is cached, and every process compiles torch
@@ -73,6 +76,7 @@ $(MIN_STAMP): pyproject.toml
 
 $(DEV_STAMP): $(STAMP)
 	$(BIN)/python $(PIP_INSTALL) -e ".[workflow,hf,dev,trace]"
+	$(BIN)/python $(PIP_INSTALL) --no-deps $(HTA)
 	$(call COMPILE,$(VENV))
 	touch $@
 

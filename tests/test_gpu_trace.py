@@ -170,7 +170,7 @@ def require_hta():
         from hta.configs.config import logger
         from hta.utils import utils
     except ImportError as e:
-        unavailable(f"HolisticTraceAnalysis is not installed ({e}): `pip install -e .[trace]`")
+        unavailable(f"HolisticTraceAnalysis is not installed ({e}): make test installs it (HTA)")
     logger.setLevel(logging.WARNING)  # HTA logs a line per file parsed
     return trace_analysis, utils, BreakdownAnalysis
 
