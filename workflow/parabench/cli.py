@@ -225,9 +225,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     if args.command in ("run", "collectives"):  # the commands the ranks run
-        # A rank killed by a signal (a segfault, an abort in native code) prints every
-        # thread's Python stack into its log; the guard names the innermost frame.
-        faulthandler.enable()
+        # A rank killed by a signal (a segfault, an abort in native code) prints its
+        # Python stack into its log; the guard names the innermost frame.
+        _on_fatal_signal()
     if args.command in ("run", "launch"):
         try:
             spec = specs.from_namespace(args)
@@ -415,6 +415,14 @@ def _doctor(args: argparse.Namespace) -> int:
     return 0
 
 
+def _on_fatal_signal() -> None:
+    """faulthandler for a rank: the stack of the thread the signal hit, not every
+    thread's. Walking other threads' frames while they run (autograd's, a hook's) is
+    unsafe, the Python docs warn, and once turned a rank's abort into a SIGSEGV inside
+    the handler, with no stack written."""
+    faulthandler.enable(all_threads=False)
+
+
 def _rehearse(args: argparse.Namespace) -> int:
     """The rehearsal (rehearse.py): 0 when every cell can run, 1 when some cannot, 2 when
     it could not rehearse at all."""
@@ -472,7 +480,7 @@ def _ranks(args: argparse.Namespace) -> int:
         from parabench.launch import launch_ranks
 
         return launch_ranks(config, args.out, args.part)
-    faulthandler.enable()  # a rank killed in native code: where Python was, in the log
+    _on_fatal_signal()  # a rank killed in native code: where Python was, in the log
     from parabench.ranks import run_ranks
 
     run_ranks(config, args.out, args.part)
@@ -522,7 +530,7 @@ def _plan(args: argparse.Namespace) -> int:
         launch_plan(config, args.out, args.collectives, fields)
         print(f"plan: {args.out / 'plan.csv'} (fabric {fabric.name})")
         return 0
-    faulthandler.enable()  # a rank killed in native code: where Python was, in the log
+    _on_fatal_signal()  # a rank killed in native code: where Python was, in the log
     from parabench.plan import run_plan
 
     run_plan(config, fabric, args.out)

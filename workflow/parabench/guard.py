@@ -51,6 +51,9 @@ _LOST_PEER = re.compile(r"(closed|reset) by peer|Broken pipe|remote process exit
 
 
 _FRAME = re.compile(r'File "(.+?)", line (\d+) in (\S+)')
+# faulthandler's header of the stack it dumps: the signalled thread's (all_threads=False,
+# as the ranks run it) or, dumping every thread, the current one's.
+_STACK = ("Stack (most recent call first)", "Current thread ")
 
 
 def python_frame(lines: list[str]) -> str:
@@ -58,7 +61,7 @@ def python_frame(lines: list[str]) -> str:
     (`parabench run` and `collectives` enable it): the innermost frame of the thread
     that got it."""
     for i, line in enumerate(lines[:-1]):
-        if line.startswith("Current thread ") and (m := _FRAME.search(lines[i + 1])):
+        if line.startswith(_STACK) and (m := _FRAME.search(lines[i + 1])):
             return f"{Path(m[1]).name}:{m[2]} in {m[3]}"
     return ""
 
