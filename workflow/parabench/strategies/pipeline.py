@@ -6,8 +6,8 @@ a model with a forward of its own run from one cut to the next, unchanged.
 The global batch is split into m micro-batches that flow through the stages so several
 stages work at once; GPipe runs all forwards then all backwards, 1F1B interleaves them
 to bound activation memory (needs m >= stages). The idle share (bubble) is
-(n-1)/(m+n-1). The schedule divides gradients by m (scale_grads), so one step equals
-`single`'s step on the whole batch.
+(n-1)/(m+n-1). Each micro-batch's loss is divided by m before its backward, so one
+step equals `single`'s step on the whole batch.
 
 In bf16, activations and their gradients cross stage boundaries in bf16, as in real
 bf16 pipelines; parameters, gradients and the optimizer stay fp32.
@@ -97,23 +97,31 @@ class StageRun:
             group=group,
         )
         self._silence = silent
+        # Each micro-batch's loss divided by m before its backward, not each gradient
+        # by m after the last (scale_grads, in place): torchtitan's way, and the one
+        # that works on DTensor gradients. Sequence-parallel TP leaves a norm's weight
+        # gradient Partial until the optimizer, and torch 2.10's DTensor refuses an
+        # in-place div_ on a Partial tensor (TP×PP failed there).
         self.schedule = SCHEDULES[spec.option("schedule")](
-            self.stage, n_microbatches=m, loss_fn=loss_fn
+            self.stage,
+            n_microbatches=m,
+            loss_fn=lambda out, target: loss_fn(out, target) / m,
+            scale_grads=False,
         )
 
     def train_step(
         self, x: torch.Tensor, y: torch.Tensor, opt: torch.optim.Optimizer
     ) -> torch.Tensor:
         """One optimizer step through the schedule: the global batch's mean loss on the
-        last stage (each micro-batch loss is a mean over B/m samples, so their mean is
-        the global one), zero elsewhere."""
+        last stage (each micro-batch loss is a mean over B/m samples, taken as 1/m of
+        it, so their sum is the global one), zero elsewhere."""
         opt.zero_grad(set_to_none=True)
         losses = self.step(x, y)
         with region(OPTIMIZER):
             opt.step()
         if not self.last:
             return torch.zeros((), device=x.device)
-        return torch.stack([loss.detach() for loss in losses]).mean()
+        return torch.stack([loss.detach() for loss in losses]).sum()
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> list[torch.Tensor]:
         """The schedule's forwards and backwards of one step (not the update): the last
