@@ -15,8 +15,9 @@ declares how: Model.sp_plan), as Megatron-LM (Korthikanti et al. 2022) and torch
 run TP: between the pairs each rank holds its 1/n of the sequence, not all of it. The
 norms (and the residual adds) run on that part; a block's input is all-gathered before
 its column-wise layers, and each row-wise layer's all-reduce becomes a reduce-scatter
-onto the sequence: the same bytes as the all-reduce it replaces, the activations
-between blocks 1/n of them. The embedding and the head are split over the vocabulary.
+onto the sequence: half the bytes of the all-reduce it replaces (in a ring, an
+all-reduce is a reduce-scatter then an all-gather), the activations between blocks 1/n
+of them. The embedding and the head are split over the vocabulary.
 """
 
 from __future__ import annotations
