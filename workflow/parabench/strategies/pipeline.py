@@ -125,7 +125,7 @@ class StageRun:
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> list[torch.Tensor]:
         """The schedule's forwards and backwards of one step (not the update): the last
-        stage's micro-batch losses, none elsewhere."""
+        stage's micro-batch losses, each 1/m of its micro-batch's mean; none elsewhere."""
         losses: list[torch.Tensor] = []
         # The first stage was told a contiguous input (the example is zeros), and its
         # micro-batches are x's rows, so they have x's strides: a model's batch may be a
