@@ -31,6 +31,7 @@ import conftest
 from conftest import REPO
 from parabench import advise, fakerank, gpus
 from parabench.fabric import PROFILES, BusbwTable, Fabric
+from parabench.layout import Layout
 from parabench.records import ADVISE_COLUMNS, TORCHTITAN_COLUMNS
 from parabench.spec import ModelSpec
 
@@ -54,7 +55,7 @@ LLAMA = ModelSpec.of(
 FP32 = {"precision": "fp32", "optimizer": "adamw"}
 
 
-def _real_peak(spec: ModelSpec, shape: fakerank.Shape) -> int:
+def _real_peak(spec: ModelSpec, shape: fakerank.Probe) -> int:
     """The same rank's step on real tensors: what it holds before the step (its
     parameters and optimizer state, from the tensors) plus the peak of the blocks the
     step allocates, from the profiler's allocator events (profiling.cpu_alloc_peak)."""
@@ -76,8 +77,8 @@ def _states(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
 @pytest.mark.parametrize(
     "shape",
     [
-        fakerank.Shape(dp_shard=4, micro=4, **FP32),
-        fakerank.Shape(dp_shard=2, tp=2, micro=4, **FP32),
+        fakerank.Probe(Layout(dp_shard=4), micro=4, **FP32),
+        fakerank.Probe(Layout(dp_shard=2, tp=2), micro=4, **FP32),
     ],
     ids=["fsdp4", "fsdp2xtp2"],
 )
@@ -99,9 +100,9 @@ def _flat(comm: dict) -> dict:
 @pytest.mark.parametrize(
     "shape",
     [
-        fakerank.Shape(dp_shard=4, ac="full", micro=2),
-        fakerank.Shape(dp_shard=2, tp=2, ac="selective", micro=4, reshard=False),
-        fakerank.Shape(dp_replicate=2, dp_shard=2, micro=2),
+        fakerank.Probe(Layout(dp_shard=4, ac="full"), micro=2),
+        fakerank.Probe(Layout(dp_shard=2, tp=2, ac="selective", zero=2), micro=4),
+        fakerank.Probe(Layout(dp_replicate=2, dp_shard=2), micro=2),
     ],
     ids=["fsdp-full", "fsdp-tp-selective-zero2", "hsdp"],
 )
@@ -112,11 +113,11 @@ def test_a_deep_stage_measured_at_a_few_depths_is_the_stage_measured_whole(shape
     first settled at."""
     spec = LLAMA
     fakerank._SETTLED.clear()
-    other = {"none": "full", "full": "selective", "selective": "none"}[shape.ac]
-    for micro, ac in ((shape.micro, shape.ac), (shape.micro * 2, other)):
-        at = dataclasses.replace(shape, micro=micro, ac=ac)
+    other = {"none": "full", "full": "selective", "selective": "none"}[shape.layout.ac]
+    for micro, ac in ((shape.micro, shape.layout.ac), (shape.micro * 2, other)):
+        at = shape.replace(micro=micro, layout=shape.layout.replace(ac=ac))
         ext = fakerank.at_blocks(spec, at, 9)
-        whole = fakerank.measure(spec, dataclasses.replace(at, blocks=9))
+        whole = fakerank.measure(spec, at.replace(blocks=9))
         assert ext.peak_bytes == pytest.approx(whole.peak_bytes, rel=0.005)
         assert ext.saved_bytes == pytest.approx(whole.saved_bytes, rel=0.005)
         assert ext.work.flops() == pytest.approx(whole.work.flops(), rel=1e-9)
@@ -129,8 +130,8 @@ def test_a_deep_stage_measured_at_a_few_depths_is_the_stage_measured_whole(shape
 @pytest.mark.parametrize(
     "strategy, shape",
     [
-        ("fsdp_tp", fakerank.Shape(dp_shard=2, tp=2, micro=4, **FP32)),
-        ("hsdp", fakerank.Shape(dp_replicate=2, dp_shard=2, micro=4, **FP32)),
+        ("fsdp_tp", fakerank.Probe(Layout(dp_shard=2, tp=2), micro=4, **FP32)),
+        ("hsdp", fakerank.Probe(Layout(dp_replicate=2, dp_shard=2), micro=4, **FP32)),
     ],
 )
 def test_bytes_per_mesh_dimension_on_fake_tensors_are_the_models(strategy, shape):
@@ -141,7 +142,7 @@ def test_bytes_per_mesh_dimension_on_fake_tensors_are_the_models(strategy, shape
 
     spec = ModelSpec.of(**GPT)
     counted = fakerank.measure(spec, shape).work.comm_by_dim
-    want = derived(build(spec, 0), strategy, shape.degrees, {"rank": 0})
+    want = derived(build(spec, 0), strategy, shape.layout.degrees, {"rank": 0})
     assert set(counted) == set(want)
     for dim, ops in want.items():
         for op, v in ops.items():
@@ -151,8 +152,8 @@ def test_bytes_per_mesh_dimension_on_fake_tensors_are_the_models(strategy, shape
 
 
 def test_recompute_is_counted_apart_and_checkpointing_trades_memory_for_it():
-    none = fakerank.measure(LLAMA, fakerank.Shape(dp_shard=2, micro=4))
-    full = fakerank.measure(LLAMA, fakerank.Shape(dp_shard=2, micro=4, ac="full"))
+    none = fakerank.measure(LLAMA, fakerank.Probe(Layout(dp_shard=2), micro=4))
+    full = fakerank.measure(LLAMA, fakerank.Probe(Layout(dp_shard=2, ac="full"), micro=4))
     assert none.work.recompute_flops == 0 < full.work.recompute_flops
     assert full.work.flops() == pytest.approx(none.work.flops() + full.work.recompute_flops)
     assert full.saved_bytes < none.saved_bytes / 2
@@ -402,7 +403,8 @@ def test_a_failed_measurement_decides_nothing():
     family = [
         c
         for c in advise.candidates("llama", facts, 4, 4, 16, 4)
-        if isinstance(c, advise.Candidate) and (c.pp, c.dp_shard, c.tp, c.zero) == (1, 4, 1, 3)
+        if isinstance(c, advise.Candidate)
+        and c.layout.replace(ac="none") == Layout(dp_shard=4, zero=3)
     ]
     rows, lightest = advise._search_family(search, family, facts, 16, 0)
     assert lightest is None
@@ -439,11 +441,9 @@ def _measured(work: fakerank.Work, boundary_bytes: int = 0) -> fakerank.Measured
     return fakerank.Measured(0, {}, work, boundary_bytes, blocks=4)
 
 
-def _candidate(**kw) -> advise.Candidate:
-    layout = {"pp": 1, "dp_replicate": 1, "dp_shard": 1, "tp": 1, **kw}
-    gpus_ = layout["pp"] * layout["dp_replicate"] * layout["dp_shard"] * layout["tp"]
-    settings = {"ac": "none", "micro": 1, "accumulation": 1, "zero": 0, **layout}
-    return advise.Candidate(model="unit", gpus=gpus_, **settings)
+def _candidate(micro: int = 1, accumulation: int = 1, **kw) -> advise.Candidate:
+    layout = Layout(**kw)
+    return advise.Candidate("unit", layout.world, layout, micro, accumulation)
 
 
 def test_a_step_is_priced_from_its_ranks_work_and_the_fabric():

@@ -170,6 +170,32 @@ def test_adamw_and_bf16_within_the_measured_tolerance(
     assert ref_meta["reorder_rel_diff"] > 0
 
 
+@pytest.mark.parametrize(
+    "strategy, options", [("fsdp_tp", {"tp": 2}), ("hsdp", {"dp_replicate": 2})]
+)
+def test_bf16_layouts_in_fsdps_mixed_precision_within_the_measured_tolerance(
+    reference, cells, strategy, options
+):
+    """FSDP's layouts in bf16 run as torchtitan's do (strategies/parallelize.py): FSDP2's
+    MixedPrecisionPolicy, every op in bf16, gradients reduced in fp32, no autocast;
+    single runs under autocast. The difference stays within the variant's tolerance."""
+    single, ref_meta = reference(TINY_RES, "bf16", "adamw", ADAMW_LR)
+    spec = tiny_spec(
+        strategy,
+        4,
+        model=TINY_RES,
+        precision="bf16",
+        optimizer="adamw",
+        lr=ADAMW_LR,
+        **BF16_PEAK,
+        **options,
+    )
+    meta, proc, out = cells(spec)
+    assert meta["status"] == "ok", f"{meta['reason']}\n{proc.stderr[-2000:]}"
+    rel, tol = verdict(load_params(out), single, ref_meta, strategy, 4)
+    assert rel <= tol, f"{strategy} bf16: {rel:.2e} > tolerance {tol:.2e}"
+
+
 @pytest.mark.parametrize("precision, optimizer", VARIANTS, ids=["-".join(v) for v in VARIANTS])
 def test_half_the_learning_rate_is_detected_in_every_variant(reference, precision, optimizer):
     lr = ADAMW_LR if optimizer == "adamw" else LR

@@ -7,9 +7,10 @@ from __future__ import annotations
 import pytest
 
 from conftest import REPO, tiny_config
-from parabench.catalog import CATALOG, MESH_DIMS, default_strategies, device_counts
+from parabench.catalog import CATALOG, default_strategies, device_counts
 from parabench.checks import static_skip_reason
 from parabench.config import ConfigError, cells, checked, load_config, problems
+from parabench.layout import MESH_DIMS
 
 GPT = {"arch": "gpt", "vocab": 128, "seq_len": 16, "n_layer": 2, "n_head": 4, "d_model": 32}
 
@@ -28,13 +29,13 @@ def test_a_layouts_degrees_multiply_to_its_devices_outermost_first():
         rec = CATALOG[name]
         opts = {k: o.default for k, o in rec.options.items()}
         assert device_counts(name, [1, 2, 4, 8], opts) == [4, 8]
-        deg = rec.degrees.at(8, opts)
+        deg = rec.layout.at(8, opts).degrees
         assert (
             list(deg) == list(MESH_DIMS)
             and deg["pp"] * deg["dp_replicate"] * deg["dp_shard"] * deg["tp"] == 8
         )
         assert sum(v > 1 for v in deg.values()) == 2
-    assert CATALOG["fsdp_tp"].degrees.at(8, {"tp": 4}) == {
+    assert CATALOG["fsdp_tp"].layout.at(8, {"tp": 4}).degrees == {
         "pp": 1,
         "dp_replicate": 1,
         "dp_shard": 2,

@@ -12,6 +12,7 @@ import functools
 import pytest
 
 from parabench import fakerank
+from parabench.layout import Layout
 from parabench.spec import ModelSpec
 
 # A large vocabulary beside narrow blocks: the head is most of the work, as in a 3B
@@ -24,7 +25,8 @@ FP32 = {"precision": "fp32", "optimizer": "adamw"}
 
 @functools.cache  # each shape measured once: both tests read tp 2 and 4, with and without
 def _rank(tp: int, sequence: bool = True) -> fakerank.Measured:
-    return fakerank.measure(GPT, fakerank.Shape(tp=tp, micro=MICRO, sequence=sequence, **FP32))
+    layout = Layout(tp=tp, sequence_parallel=sequence)
+    return fakerank.measure(GPT, fakerank.Probe(layout, micro=MICRO, **FP32))
 
 
 @pytest.mark.parametrize("tp", [2, 4, 8])

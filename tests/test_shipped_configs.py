@@ -350,5 +350,5 @@ def test_the_gpu_check_on_one_gpu_is_the_18_cells_its_docs_time():
         [("mlp", "single"), ("mlp", "ddp")]
         + [("resmlp", s) for s in ("single", "ddp", "fsdp", "tp")]
     )
-    one_dim = {r.name for r in CATALOG.values() if not r.layout}
+    one_dim = {r.name for r in CATALOG.values() if not r.composed}
     assert {s.strategy for s in specs if s.model_name == "resmlp"} == one_dim

@@ -3,7 +3,7 @@ how fast it would go, answered on a laptop.
 
 For each model and each N, every layout that applies is a candidate (`candidates`):
 
-- the factorisations of N into pp x dp_replicate x dp_shard x tp (catalog.MESH_DIMS,
+- the factorisations of N into pp x dp_replicate x dp_shard x tp (layout.MESH_DIMS,
   torchtitan's order), with tp within a node and splitting the model's widths, pp no
   more than its repeated blocks (and at most MAX_PP), and data parallelism as FSDP
   (dp_shard), HSDP (a node's worth of shards, replicated across nodes) or DDP;
@@ -45,9 +45,9 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from parabench import gpus
-from parabench.catalog import MESH_DIMS
 from parabench.fabric import Fabric
 from parabench.gpus import GPU
+from parabench.layout import Layout
 from parabench.records import ADVISE_COLUMNS, write_rows
 from parabench.scaling import layout_comm
 from parabench.spec import ModelSpec
@@ -60,41 +60,17 @@ SCHEDULES = ("1f1b", "gpipe")
 
 @dataclasses.dataclass(frozen=True)
 class Candidate:
+    """One way to run model `model` on `gpus` GPUs: a layout, and the micro-batch and
+    accumulation that make up each data-parallel rank's share of the global batch."""
+
     model: str
     gpus: int
-    pp: int
-    dp_replicate: int
-    dp_shard: int
-    tp: int
-    ac: str
+    layout: Layout
     micro: int  # samples per micro-batch
     accumulation: int  # micro-batches per step on a data-parallel rank
-    zero: int  # 3: FSDP resharding after forward, 2: not, 0: DDP or no data parallelism
-    schedule: str = ""  # a pipeline's
 
-    @property
-    def degrees(self) -> dict[str, int]:
-        return {d: getattr(self, d) for d in MESH_DIMS}
-
-    @property
-    def dp(self) -> int:
-        return self.dp_replicate * self.dp_shard
-
-    @property
-    def layout(self) -> str:
-        """As torchtitan's tables name a layout: FSDP 32 x TP 8, HSDP 4x8, DDP 64."""
-        parts = []
-        if self.dp_shard > 1 and self.dp_replicate > 1:
-            parts.append(f"HSDP {self.dp_replicate}x{self.dp_shard}")
-        elif self.dp_shard > 1:
-            parts.append(f"FSDP {self.dp_shard}")
-        elif self.dp_replicate > 1:
-            parts.append(f"DDP {self.dp_replicate}")
-        if self.tp > 1:
-            parts.append(f"TP {self.tp}")
-        if self.pp > 1:
-            parts.append(f"PP {self.pp}")
-        return " x ".join(parts) or "one GPU"
+    def replace(self, **changes) -> Candidate:
+        return dataclasses.replace(self, **changes)
 
 
 def _divisors(n: int) -> list[int]:
@@ -107,9 +83,9 @@ def _powers_of_two(n: int) -> list[int]:
 
 def candidates(
     name: str, facts, n: int, gpus_per_node: int, global_batch: int, depth: int | None
-) -> Iterator[Candidate | tuple]:
+) -> Iterator[Candidate | tuple[Candidate | Layout, str, str]]:
     """Every candidate layout at n GPUs; one that cannot run, or need not be measured,
-    as (it, or its degrees; why; its status) instead. A pipeline's stages each hold at
+    as (it, or its Layout alone; why; its status) instead. A pipeline's stages each hold at
     least one of the model's `depth` repeated blocks (None: a model whose stage advise
     cannot build, so no pipeline)."""
     for tp in _divisors(min(n, gpus_per_node)):
@@ -123,7 +99,7 @@ def candidates(
             dp = n // (tp * pp)
             if global_batch % dp:
                 yield (
-                    {"pp": pp, "dp_replicate": 1, "dp_shard": dp, "tp": tp},
+                    Layout(pp=pp, dp_shard=dp, tp=tp),
                     f"the global batch of {global_batch} does not split over {dp} "
                     "data-parallel ranks",
                     "skipped",
@@ -147,19 +123,10 @@ def candidates(
                             continue
                         for ac in AC_ORDER:
                             for schedule in SCHEDULES if pp > 1 else ("",):
-                                c = Candidate(
-                                    name,
-                                    n,
-                                    pp,
-                                    rep,
-                                    shard,
-                                    tp,
-                                    ac,
-                                    micro,
-                                    local // micro,
-                                    zero,
-                                    schedule,
+                                layout = Layout(
+                                    pp, rep, shard, tp, zero=zero, ac=ac, schedule=schedule
                                 )
+                                c = Candidate(name, n, layout, micro, local // micro)
                                 if schedule == "1f1b" and c.accumulation < pp:
                                     yield (
                                         c,
@@ -178,19 +145,11 @@ def candidates(
                                     yield c
 
 
-def _shape(c: Candidate, precision: str, optimizer: str):
-    from parabench.fakerank import Shape
+def _probe(c: Candidate, precision: str, optimizer: str):
+    """What measuring `c`'s rank depends on (its stage's layout: fakerank.Probe)."""
+    from parabench.fakerank import Probe
 
-    return Shape(
-        tp=c.tp,
-        dp_shard=c.dp_shard,
-        dp_replicate=c.dp_replicate,
-        ac=c.ac,
-        micro=c.micro,
-        reshard=c.zero == 3,
-        precision=precision,
-        optimizer=optimizer,
-    )
+    return Probe(c.layout, micro=c.micro, precision=precision, optimizer=optimizer)
 
 
 def stage_blocks(blocks: int, pp: int) -> int:
@@ -202,9 +161,10 @@ def in_flight(c: Candidate) -> int:
     """Micro-batches whose activations a pipeline's first stage holds at once: 1F1B
     runs a backward as soon as the pipeline is full (pp of them), GPipe all forwards
     first."""
-    if c.pp == 1:
+    lay = c.layout
+    if lay.pp == 1:
         return 1
-    return min(c.pp, c.accumulation) if c.schedule == "1f1b" else c.accumulation
+    return min(lay.pp, c.accumulation) if lay.schedule == "1f1b" else c.accumulation
 
 
 def predict(c: Candidate, m, gpu: GPU, fabric: Fabric, tokens_per_sample: int) -> dict:
@@ -214,7 +174,7 @@ def predict(c: Candidate, m, gpu: GPU, fabric: Fabric, tokens_per_sample: int) -
     def seconds(phase: str) -> float:
         return m.work.seconds(gpu, phase)
 
-    a = c.accumulation
+    a, lay = c.accumulation, c.layout
     slicing = max(1.0, c.gpus / gpu.cores) if gpu.cores else 1.0  # ranks sharing cores
     recompute = seconds(RECOMPUTE) * slicing
     micro_s = seconds(STEP) * slicing + recompute
@@ -224,21 +184,21 @@ def predict(c: Candidate, m, gpu: GPU, fabric: Fabric, tokens_per_sample: int) -
     # collectives recur with every micro-batch there. Per step from here on.
     comm_dims = {
         d: {
-            op: {k: v * (a if c.pp == 1 or d == "tp" else 1) for k, v in e.items()}
+            op: {k: v * (a if lay.pp == 1 or d == "tp" else 1) for k, v in e.items()}
             for op, e in ops.items()
         }
         for d, ops in m.work.comm_by_dim.items()
     }
-    comm = layout_comm([comm_dims], fabric.time, c.degrees, a)
+    comm = layout_comm([comm_dims], fabric.time, lay.degrees, a)
     p2p = 0.0
-    if c.pp > 1:  # fill and drain wait on one transfer per boundary, each way
+    if lay.pp > 1:  # fill and drain wait on one transfer per boundary, each way
         # neighbouring stages are a stage's dp x tp ranks apart: the link that spans
-        span = 2 * c.dp * c.tp
-        p2p = 2 * (c.pp - 1) * fabric.time("send", 2, m.boundary_bytes, span)
-    bubble = (c.pp - 1) * micro_s  # (pp - 1)/m of m micro-batches' compute
+        span = 2 * lay.dp * lay.tp
+        p2p = 2 * (lay.pp - 1) * fabric.time("send", 2, m.boundary_bytes, span)
+    bubble = (lay.pp - 1) * micro_s  # (pp - 1)/m of m micro-batches' compute
     step = compute + comm + p2p + bubble
     model_flops = a * m.work.flops(STEP) + m.work.flops(OPTIMIZER)
-    samples = c.micro * a * c.dp
+    samples = c.micro * a * lay.dp
     return {
         "compute_s": compute,
         "recompute_s": a * recompute,
@@ -288,7 +248,7 @@ class Search:
     def for_family(self, cands: list[Candidate]) -> Search:
         """A copy to send to a worker: the measurements of these candidates' shapes
         only (a copy, so that sending it never meets the cache growing)."""
-        shapes = {(c.model, _shape(c, self.precision, self.optimizer)) for c in cands}
+        shapes = {(c.model, _probe(c, self.precision, self.optimizer)) for c in cands}
         copy = Search(self.specs, self.gpu, self.fabric, self.precision, self.optimizer, self.log)
         copy.cache = {k: v for k, v in self.cache.items() if k[:2] in shapes}
         return copy
@@ -298,22 +258,22 @@ class Search:
         where it failed."""
         from parabench import fakerank
 
-        key = (c.model, _shape(c, self.precision, self.optimizer), blocks)
+        key = (c.model, _probe(c, self.precision, self.optimizer), blocks)
         if key not in self.cache:
             t0 = time.perf_counter()
             try:
                 spec = self.specs[c.model]
-                shape = key[1]
+                probe = key[1]
                 self.cache[key] = (
-                    fakerank.at_blocks(spec, shape, blocks)
+                    fakerank.at_blocks(spec, probe, blocks)
                     if blocks
-                    else fakerank.measure(spec, shape)
+                    else fakerank.measure(spec, probe)
                 )
             except Exception as e:  # a row that says why, never a lost search
                 self.cache[key] = _why(e)
             self.measurements += 1
             self.log(
-                f"  measured {c.layout} ac {c.ac} micro {c.micro}: {time.perf_counter() - t0:.1f} s"
+                f"  measured {c.layout.label}, micro {c.micro}: {time.perf_counter() - t0:.1f} s"
             )
         return self.cache[key]
 
@@ -322,7 +282,7 @@ class Search:
         from parabench import fakerank
 
         blocks = fakerank.depth(self.specs[c.model])
-        stage = stage_blocks(blocks, c.pp) if blocks else None
+        stage = stage_blocks(blocks, c.layout.pp) if blocks else None
         row = self.base(c, global_batch, tokens)
         m = self.measured(c, stage)
         if isinstance(m, str):
@@ -360,21 +320,21 @@ class Search:
             "optimizer": self.optimizer,
             "global_batch": global_batch,
             "tokens_per_sample": tokens,
-            "layout": c.layout,
-            **c.degrees,
-            "schedule": c.schedule,
-            "ac": c.ac,
-            "zero": c.zero,
+            "layout": c.layout.label,
+            **c.layout.degrees,
+            "schedule": c.layout.schedule,
+            "ac": c.layout.ac,
+            "zero": c.layout.zero,
             "micro_batch": c.micro,
             "accumulation": c.accumulation,
             "device_memory_bytes": self.gpu.memory_bytes,
         }
 
 
-def _family(c: Candidate) -> tuple:
-    """A layout with its ZeRO stage and schedule: what the micro-batch and checkpointing
-    search runs within."""
-    return (c.model, c.gpus, c.pp, c.dp_replicate, c.dp_shard, c.tp, c.zero, c.schedule)
+def _family(c: Candidate) -> Candidate:
+    """A layout with its ZeRO stage and schedule, whatever its checkpointing and
+    micro-batch: what the micro-batch and checkpointing search runs within."""
+    return c.replace(layout=c.layout.replace(ac="none"), micro=0, accumulation=0)
 
 
 def _largest_fit(micros: list[int], fits: Callable[[int], bool]) -> int | None:
@@ -396,7 +356,7 @@ def _search_family(
     """One layout's rows (see `search`), and whether its lightest option fits (None:
     its measurement failed, which decides nothing)."""
     rows = []
-    by = {(c.ac, c.micro): c for c in cands}
+    by = {(c.layout.ac, c.micro): c for c in cands}
     micros = sorted({c.micro for c in cands})
     done: dict[tuple[str, int], dict] = {}
 
@@ -423,7 +383,7 @@ def _search_family(
     lightest = fits("full", micros[0])
     if lightest:
         floor = 0  # a lighter level's largest fit: below it, that level is faster
-        pipelined = cands[0].pp > 1
+        pipelined = cands[0].layout.pp > 1
         for ac in AC_ORDER:
             above = [m for m in micros if m > floor]
             if pipelined:  # from the smallest micro-batch up, while steps shorten
@@ -439,12 +399,13 @@ def _search_family(
                 best[ac] = _largest_fit(above, lambda m, ac=ac: fits(ac, m)) if above else None
             floor = max(floor, best[ac] or 0)
     for c in cands:
-        key = (c.ac, c.micro)
+        ac = c.layout.ac
+        key = (ac, c.micro)
         if key in done:
             rows.append(done[key])
             continue
         row = {**search.base(c, global_batch, tokens), "status": "inferred"}
-        smaller = [m for m in micros if m < c.micro and (c.ac, m) in done]
+        smaller = [m for m in micros if m < c.micro and (ac, m) in done]
         if why := failed("full", micros[0]):
             row.update(status="failed", reason=f"not measured: its lightest option failed ({why})")
         elif not best:
@@ -454,32 +415,32 @@ def _search_family(
                 reason=f"does not fit: nor does micro-batch {micros[0]} with full "
                 "checkpointing (measured)",
             )
-        elif c.ac in stopped and c.micro > stopped[c.ac]:
+        elif ac in stopped and c.micro > stopped[ac]:
             row.update(
-                reason=f"not measured: at ac {c.ac}, micro-batch {stopped[c.ac]}'s step is "
+                reason=f"not measured: at ac {ac}, micro-batch {stopped[ac]}'s step is "
                 "already longer than a smaller one's, and a larger one only grows the bubble"
             )
         elif lighter := [
-            a for a in AC_ORDER[: AC_ORDER.index(c.ac)] if (best.get(a) or 0) >= c.micro
+            a for a in AC_ORDER[: AC_ORDER.index(ac)] if (best.get(a) or 0) >= c.micro
         ]:
             row.update(
                 fits=True,
                 reason=f"fits: ac {lighter[0]} fits at this micro-batch, with less recompute",
             )
-        elif best.get(c.ac) is not None and c.micro < best[c.ac]:
+        elif best.get(ac) is not None and c.micro < best[ac]:
             row.update(
-                fits=True, reason=f"fits, and micro-batch {best[c.ac]} fits too, with fewer passes"
+                fits=True, reason=f"fits, and micro-batch {best[ac]} fits too, with fewer passes"
             )
-        elif smaller and (why := failed(c.ac, smaller[-1])):
+        elif smaller and (why := failed(ac, smaller[-1])):
             row.update(
                 status="failed",
-                reason=f"not measured: micro-batch {smaller[-1]} at ac {c.ac} failed ({why})",
+                reason=f"not measured: micro-batch {smaller[-1]} at ac {ac} failed ({why})",
             )
         else:
             row.update(
                 fits=False,
                 binding="memory",
-                reason=f"does not fit: a smaller micro-batch at ac {c.ac} does not (measured)",
+                reason=f"does not fit: a smaller micro-batch at ac {ac} does not (measured)",
             )
         rows.append(row)
     return rows, (None if failed("full", micros[0]) else lightest)
@@ -518,7 +479,7 @@ def search(
     row that says which measurement decided it. `pool`: a process pool the layouts are
     searched in, side by side."""
     rows: list[dict] = []
-    families: dict[tuple, list[Candidate]] = {}
+    families: dict[Candidate, list[Candidate]] = {}
     for c in candidates(name, facts, n, gpus_per_node, global_batch, depth):
         if isinstance(c, tuple):
             what, why, status = c
@@ -527,25 +488,25 @@ def search(
                     {**search.base(what, global_batch, tokens), "status": status, "reason": why}
                 )
                 continue
-            dp = what["dp_shard"]
-            layout = Candidate(name, n, what["pp"], 1, dp, what["tp"], "none", 0, 0, 0).layout
             rows.append(
                 {
                     "model": name,
                     "gpus": n,
-                    "layout": layout,
-                    **what,
+                    "layout": what.label,
+                    **what.degrees,
                     "status": status,
                     "reason": why,
                 }
             )
         else:
             families.setdefault(_family(c), []).append(c)
-    groups: dict[tuple, list[tuple]] = {}  # (pp, tp, dp) -> families, lightest first
-    for fam in sorted(families, key=lambda f: (f[3] > 1, -f[6])):
-        groups.setdefault((fam[2], fam[5], fam[3] * fam[4]), []).append(fam)
+    # (pp, tp, dp) -> families, lightest first: FSDP before DDP, ZeRO-3 before ZeRO-2
+    groups: dict[tuple[int, int, int], list[Candidate]] = {}
+    for fam in sorted(families, key=lambda f: (f.layout.dp_replicate > 1, -f.layout.zero)):
+        lay = fam.layout
+        groups.setdefault((lay.pp, lay.tp, lay.dp), []).append(fam)
 
-    def run(fams: list[tuple]) -> dict[tuple, tuple[list[dict], bool]]:
+    def run(fams: list[Candidate]) -> dict[Candidate, tuple[list[dict], bool]]:
         args = [(families[f], facts, global_batch, tokens) for f in fams]
         if pool is None:
             return {f: _search_family(search, *a) for f, a in zip(fams, args, strict=True)}
@@ -573,7 +534,7 @@ def search(
                 rows += done[fam][0]
                 continue
             c0 = families[first][0]
-            zero = {3: "ZeRO-3", 2: "ZeRO-2"}.get(c0.zero, "")
+            zero = {3: "ZeRO-3", 2: "ZeRO-2"}.get(c0.layout.zero, "")
             for c in families[fam]:
                 rows.append(
                     {
@@ -582,9 +543,9 @@ def search(
                         "fits": False,
                         "binding": "memory",
                         "reason": (
-                            f"does not fit: holds at least what {c0.layout} {zero} holds, "
-                            "which does "
-                            "not fit at micro-batch 1 with full checkpointing (measured)"
+                            f"does not fit: holds at least what {c0.layout.parallelism} "
+                            f"{zero} holds, which does not fit at micro-batch 1 with full "
+                            "checkpointing (measured)"
                         ),
                     }
                 )
@@ -768,20 +729,16 @@ def _torchtitan_row(searcher: Search, spec: ModelSpec, t: dict) -> dict:
     """One published run's layout, measured and predicted as any candidate."""
     from parabench import fakerank, models
 
-    c = Candidate(
-        t["model"],
-        t["gpus"],
-        t["pp"],
-        1,
-        t["dp_shard"],
-        t["tp"],
-        t["ac"],
-        t["micro"],
-        t["accumulation"],
-        t["zero"],
-        t["schedule"],
+    layout = Layout(
+        pp=t["pp"],
+        dp_shard=t["dp_shard"],
+        tp=t["tp"],
+        zero=t["zero"],
+        ac=t["ac"],
+        schedule=t["schedule"] or "1f1b",
     )
+    c = Candidate(t["model"], t["gpus"], layout, t["micro"], t["accumulation"])
     row = searcher.row(
-        c, models.facts(spec), c.micro * c.accumulation * c.dp, tokens_per_sample(spec)
+        c, models.facts(spec), c.micro * c.accumulation * layout.dp, tokens_per_sample(spec)
     )
     return {**row, "params": fakerank.parameters(spec)}

@@ -451,7 +451,9 @@ def _mesh_columns(summary: pd.DataFrame, ranks: pd.DataFrame | None) -> pd.DataF
     """Each row's degrees on the mesh, and from its ranks measured alone (ranks.csv)
     the collectives by mesh dimension of the busiest and the saved activations of the
     first."""
-    out = pd.DataFrame([scaling.degrees_of(r) for _, r in summary.iterrows()], index=summary.index)
+    out = pd.DataFrame(
+        [scaling.layout_of(r).degrees for _, r in summary.iterrows()], index=summary.index
+    )
     out["comm_by_dim"], out["saved_activation_bytes"] = "", np.nan
     out["checkpointed_blocks"] = np.nan
     if ranks is None or ranks.empty:

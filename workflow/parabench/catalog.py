@@ -15,8 +15,9 @@ that strategy's cells carry them, so a new setting changes no other cell's hash.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
+
+from parabench.layout import REST, Layout
 
 # How a cell's processes are started.
 ONE_PROCESS = "one process"  # python -m parabench run, no process group
@@ -27,12 +28,6 @@ RANKS_IF_MANY = "ranks if many"  # ranks when devices > 1; plain one process at 
 PARAMS, GRADS, OPTIMIZER, ACTIVATIONS = "params", "grads", "optimizer", "activations"
 MODEL_STATE = frozenset({PARAMS, GRADS, OPTIMIZER})
 
-# The named device mesh, outermost dimension first, as torchtitan's ParallelDims builds
-# it: tp innermost, so a tensor-parallel group is adjacent ranks (one node's NVLink);
-# pp outermost, so stages talk across the slowest links, the least often.
-MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
-# A degree that takes the devices the others leave (at most one per layout).
-REST = "rest"
 # What each mesh dimension splits on every rank (the memory model): data parallelism
 # splits the batch, hence activations; sharding, tensor and pipeline parallelism split
 # the model's state as well.
@@ -42,55 +37,6 @@ SPLITS = {
     "dp_shard": MODEL_STATE | {ACTIVATIONS},
     "tp": MODEL_STATE | {ACTIVATIONS},
 }
-
-# Activation checkpointing levels: none; full (every repeated block recomputed in
-# backward); selective (torchtitan's per-op policy: matmuls, attention and collectives
-# saved, the cheap elementwise ops recomputed); every<k> (every k-th block in full).
-AC_PATTERN = r"none|full|selective|every[2-9]"
-
-
-@dataclass(frozen=True)
-class Degrees:
-    """How a strategy lays its ranks on the named mesh (torchtitan's ParallelDims,
-    without context and expert parallelism): each dimension's degree is 1, an integer,
-    REST (the devices the others leave), or the name of one of the record's options
-    (fsdp_tp's `tp`). Their product is the device count."""
-
-    pp: int | str = 1
-    dp_replicate: int | str = 1
-    dp_shard: int | str = 1
-    tp: int | str = 1
-
-    def declared(self) -> tuple[str, ...]:
-        """The dimensions this layout uses (those not fixed at 1), outermost first."""
-        return tuple(d for d in MESH_DIMS if getattr(self, d) != 1)
-
-    def at(self, devices: int, options: dict) -> dict[str, int]:
-        """Each dimension's degree at `devices` (REST rounded down: `problem` says
-        when the devices do not divide)."""
-        out = {}
-        for d in MESH_DIMS:
-            v = getattr(self, d)
-            out[d] = int(options[v]) if isinstance(v, str) and v != REST else v
-        fixed = math.prod(v for v in out.values() if v != REST)
-        return {d: (max(1, devices // fixed) if v == REST else v) for d, v in out.items()}
-
-    def problem(self, name: str, devices: int, options: dict) -> str | None:
-        """Why these degrees cannot lay out `devices`, naming the option at fault."""
-        given = {d: getattr(self, d) for d in self.declared() if getattr(self, d) != REST}
-        fixed = math.prod(int(options[v]) if isinstance(v, str) else v for v in given.values())
-        keys = " x ".join(
-            f"options.{name}.{v} ({options[v]})" if isinstance(v, str) else str(v)
-            for v in given.values()
-        )
-        if devices % fixed:
-            return f"{keys} does not divide {devices} devices"
-        if REST in (getattr(self, d) for d in MESH_DIMS) and devices // fixed < 2:
-            rest = next(d for d in MESH_DIMS if getattr(self, d) == REST)
-            return f"{keys} leaves {rest} {devices // fixed} at {devices} devices (needs >= 2)"
-        if REST not in (getattr(self, d) for d in MESH_DIMS) and devices != fixed:
-            return f"{keys} lays out {fixed} devices, not {devices}"
-        return None
 
 
 @dataclass(frozen=True)
@@ -146,16 +92,17 @@ class StrategyRecord:
     # equivalence tolerance is derived from it (equivalence.py). None: not rounded.
     gradient_bits: int | None = None
     options: dict[str, Option] = field(default_factory=dict)
-    # Its place on the named mesh: a 1-D strategy's one dimension (ddp: dp_replicate),
-    # a layout's several. Read for the checks, the bytes per dimension, the memory
-    # model and the scaling model. None of the three one-process strategies has one.
-    degrees: Degrees = Degrees()
+    # Its place on the named mesh, declared (its degrees settled per cell by
+    # RunSpec.layout): a 1-D strategy's one dimension (ddp: dp_replicate), a composed
+    # layout's several. Read for the checks, the bytes per dimension, the memory model
+    # and the scaling model. None of the three one-process strategies has one.
+    layout: Layout = Layout()
     takes_ac: bool = True  # activation checkpointing composes with it (per block)
 
     @property
-    def layout(self) -> bool:
+    def composed(self) -> bool:
         """Several mesh dimensions at once: a composition (fsdp_tp, hsdp, ddp_pp...)."""
-        return len(self.degrees.declared()) > 1
+        return len(self.layout.declared()) > 1
 
     @property
     def pipelined(self) -> bool:
@@ -196,9 +143,9 @@ class StrategyRecord:
             m = options["microbatches"]
             return m, f"options.{self.name}.microbatches ({m})"
         if self.batch_split == "mesh":  # a layout: the data-parallel ranks (x micro-batches)
-            deg = self.degrees.at(devices, options)
-            dp, m = deg["dp_replicate"] * deg["dp_shard"], options.get("microbatches", 1)
-            m = m if deg["pp"] > 1 else 1
+            lay = self.layout.at(devices, options)
+            dp, m = lay.dp, options.get("microbatches", 1)
+            m = m if lay.pp > 1 else 1
             say = f"its data-parallel ranks ({dp})" + (
                 f" x options.{self.name}.microbatches ({m})" if m > 1 else ""
             )
@@ -226,7 +173,7 @@ _SEQUENCE = Option(
 )
 # A layout's records: every one is the same class (strategies/layout.py), applying its
 # degrees to the model in torchtitan's order; each differs by its declaration only.
-_LAYOUT = {"impl": "layout:Layout", "launch": RANK_PER_DEVICE, "batch_split": "mesh"}
+_LAYOUT = {"impl": "layout:Composed", "launch": RANK_PER_DEVICE, "batch_split": "mesh"}
 
 
 def _degree(dim: str, help: str) -> Option:
@@ -270,7 +217,7 @@ _RECORDS = (
         launch=RANK_PER_DEVICE,
         batch_split="devices",
         sharded=frozenset({ACTIVATIONS}),
-        degrees=Degrees(dp_replicate=REST),
+        layout=Layout(dp_replicate=REST),
     ),
     StrategyRecord(
         "ddp_compress",
@@ -282,7 +229,7 @@ _RECORDS = (
         sharded=frozenset({ACTIVATIONS}),
         sends="bf16 gradients",
         gradient_bits=8,  # bfloat16: 8 significant bits
-        degrees=Degrees(dp_replicate=REST),
+        layout=Layout(dp_replicate=REST),
     ),
     StrategyRecord(
         "zero1",
@@ -292,7 +239,7 @@ _RECORDS = (
         launch=RANK_PER_DEVICE,
         batch_split="devices",
         sharded=frozenset({OPTIMIZER, ACTIVATIONS}),
-        degrees=Degrees(dp_replicate=REST),  # its optimizer shards are not a mesh degree
+        layout=Layout(dp_replicate=REST),  # its optimizer shards are not a mesh degree
     ),
     StrategyRecord(
         "fsdp",
@@ -303,7 +250,7 @@ _RECORDS = (
         batch_split="devices",
         sharded=frozenset({PARAMS, GRADS, OPTIMIZER, ACTIVATIONS}),
         options={"reshard_after_forward": _RESHARD},
-        degrees=Degrees(dp_shard=REST),
+        layout=Layout(dp_shard=REST),
     ),
     StrategyRecord(
         "tp",
@@ -315,7 +262,7 @@ _RECORDS = (
         needs_tp_plan=True,
         sends="activations",
         options={"sequence_parallel": _SEQUENCE},
-        degrees=Degrees(tp=REST),
+        layout=Layout(tp=REST),
     ),
     StrategyRecord(
         "model_parallel",
@@ -334,7 +281,7 @@ _RECORDS = (
         cuts_model=True,
         sends="activations",
         options=_PIPELINE_OPTIONS,
-        degrees=Degrees(pp=REST),
+        layout=Layout(pp=REST),
     ),
     StrategyRecord(
         "grad_accum",
@@ -345,14 +292,14 @@ _RECORDS = (
         batch_split="devices*accum",
         sharded=frozenset({ACTIVATIONS}),
         options={"accum_steps": Option(2, "micro-batches per optimizer step", minimum=1)},
-        degrees=Degrees(dp_replicate=REST),
+        layout=Layout(dp_replicate=REST),
     ),
     # -- layouts: several degrees on the mesh at once (config/README.md, "Layouts")
     StrategyRecord(
         "fsdp_tp",
         "FSDP×TP",
         step="FSDP2 over dp_shard, tensor parallel inside each tp group (Llama 3 70B's 2D)",
-        degrees=Degrees(dp_shard=REST, tp="tp"),
+        layout=Layout(dp_shard=REST, tp="tp"),
         needs_tp_plan=True,
         options={
             "tp": _degree("tp", "ranks that split each layer; dp_shard takes the rest"),
@@ -365,7 +312,7 @@ _RECORDS = (
         "hsdp",
         "HSDP",
         step="FSDP2 shards within each dp_shard group, replicas across dp_replicate all-reduce",
-        degrees=Degrees(dp_replicate="dp_replicate", dp_shard=REST),
+        layout=Layout(dp_replicate="dp_replicate", dp_shard=REST),
         options={
             "dp_replicate": _degree("dp_replicate", "replicas (across nodes, typically)"),
             "reshard_after_forward": _RESHARD,
@@ -376,21 +323,21 @@ _RECORDS = (
         "ddp_pp",
         "DDP×PP",
         step="pipeline stages over pp, each stage's replicas under DDP over dp_replicate",
-        degrees=Degrees(pp="pp", dp_replicate=REST),
+        layout=Layout(pp="pp", dp_replicate=REST),
         **_STAGED,
     ),
     StrategyRecord(
         "fsdp_pp",
         "FSDP×PP",
         step="pipeline stages over pp, each stage sharded by FSDP2 over dp_shard",
-        degrees=Degrees(pp="pp", dp_shard=REST),
+        layout=Layout(pp="pp", dp_shard=REST),
         **_STAGED,
     ),
     StrategyRecord(
         "tp_pp",
         "TP×PP",
         step="pipeline stages over pp, each stage's layers split by tensor parallelism",
-        degrees=Degrees(pp="pp", tp=REST),
+        layout=Layout(pp="pp", tp=REST),
         needs_tp_plan=True,
         **{**_STAGED, "options": {**_STAGED["options"], "sequence_parallel": _SEQUENCE}},
     ),
@@ -414,7 +361,7 @@ def record(strategy: str) -> StrategyRecord:
 def default_strategies() -> tuple[str, ...]:
     """What a config without `strategies` sweeps: every strategy of one dimension.
     Layouts run where a config names them (each needs 4 or more devices)."""
-    return tuple(r.name for r in _RECORDS if not r.layout)
+    return tuple(r.name for r in _RECORDS if not r.composed)
 
 
 def device_counts(strategy: str, devices: list[int], options: dict | None = None) -> list[int]:
@@ -423,12 +370,12 @@ def device_counts(strategy: str, devices: list[int], options: dict | None = None
     rec = CATALOG[strategy]
     if rec.fixed_devices:
         return [rec.fixed_devices]
-    if rec.layout:
+    if rec.composed:
         given = options or {}
         if any(k in rec.options and rec.options[k].problem(k, v) for k, v in given.items()):
             return sorted(set(devices))  # its cells' checks name the option at fault
         opts = {**{k: o.default for k, o in rec.options.items()}, **given}
-        return [n for n in sorted(set(devices)) if not rec.degrees.problem(rec.name, n, opts)]
+        return [n for n in sorted(set(devices)) if not rec.layout.problem(rec.name, n, opts)]
     return sorted(set(devices))
 
 

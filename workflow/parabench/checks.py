@@ -13,7 +13,8 @@ import math
 import re
 
 from parabench import models
-from parabench.catalog import AC_PATTERN, CATALOG, OPTIMIZERS, PRECISIONS, STRATEGIES
+from parabench.catalog import CATALOG, OPTIMIZERS, PRECISIONS, STRATEGIES
+from parabench.layout import AC_PATTERN
 from parabench.spec import RunSpec
 
 # On device cpu each "device" is a process on one machine: past this, a typo, not a plan.
@@ -99,7 +100,7 @@ def _combination(spec: RunSpec) -> list[str]:
         out.append(
             f"models.{name}.batch_size: global batch {spec.global_batch} is not divisible by {what}"
         )
-    if rec.layout and (why := rec.degrees.problem(spec.strategy, spec.devices, options)):
+    if rec.composed and (why := rec.layout.problem(spec.strategy, spec.devices, options)):
         out.append(why)
     if spec.nodes > 1 and spec.devices % spec.nodes:
         out.append(
@@ -155,7 +156,7 @@ def shape_skip_reason(spec: RunSpec, facts: models.ModelFacts) -> str | None:
                 f"{spec.strategy} needs a tensor-parallel plan, and models.{name} declares "
                 "none (a custom factory returns tp_plan)"
             )
-        if why := facts.tp_problem(spec.degrees["tp"]):
+        if why := facts.tp_problem(spec.layout.tp):
             return f"models.{name}.{why}"
     if rec.cuts_model:
         if facts.cut_skip:

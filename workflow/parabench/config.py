@@ -459,14 +459,14 @@ def _layout_problems(config: dict, named: set) -> list[str]:
     out = []
     for model, s in sorted((m, s) for m, s in named if m is not None):
         rec = CATALOG.get(s)
-        if rec is None or not rec.layout:
+        if rec is None or not rec.composed:
             continue
         given = strategy_options(config, s)
         counts = devices(config, model)
         # (a bad option keeps every count: the cells' checks name it)
         if not device_counts(s, counts, given):
             opts = {**{k: o.default for k, o in rec.options.items()}, **given}
-            why = rec.degrees.problem(s, max(counts), opts)
+            why = rec.layout.problem(s, max(counts), opts)
             out.append(f"strategies: {s} lays out none of models.{model}'s devices {counts}: {why}")
     return out
 
@@ -573,7 +573,7 @@ def collective_devices(config: dict) -> list[int]:
     collectives through the benchmark's launch path too. A layout's collectives run
     over each mesh dimension's group: curves at each degree too."""
     counts = {s.devices for s in _multi_rank(config)}
-    counts |= {k for s in _multi_rank(config) for k in s.degrees.values() if k > 1}
+    counts |= {k for s in _multi_rank(config) for k in s.layout.degrees.values() if k > 1}
     one = (c.spec for c in cells(config) if c.spec.repeat == 0 and c.spec.devices == 1)
     if any(s.torchrun and not checks.static_skip_reason(s) for s in one):
         counts.add(1)

@@ -33,8 +33,8 @@ from parabench.scaling import (
     bubble_time,
     comm_time,
     curve_time,
-    degrees_of,
     layout_comm,
+    layout_of,
     options,
 )
 
@@ -58,11 +58,11 @@ def _curve_comm(row: pd.Series, curves: pd.DataFrame, n: int) -> float:
     """The collectives the step issued, on the benchmark's curves: a layout's each
     along its mesh dimension, at its degree (its counts by dimension, from its ranks
     measured alone); any other strategy's all at n, from its trace's counts."""
-    if record(row["strategy"]).layout and row.get("comm_by_dim"):
+    if record(row["strategy"]).composed and row.get("comm_by_dim"):
         return layout_comm(
             [json.loads(row["comm_by_dim"])],
             lambda op, k, nbytes, _span: curve_time(curves, op, k, nbytes),
-            degrees_of(row),
+            layout_of(row).degrees,
             options(row).get("microbatches", 1),
             scheduled=False,  # comm_s is all of it, hidden or not
         )
@@ -79,7 +79,7 @@ def check(row: pd.Series, curves: pd.DataFrame) -> dict:
     out["comm_curve_s"] = comm
     out["comm_check"] = _off(row["comm_s"], comm) if comm and row["comm_s"] else np.nan
     rec = record(row["strategy"])
-    stages = degrees_of(row)["pp"]
+    stages = layout_of(row).pp
     bubble = (
         bubble_time(rec, row["compute_s"], stages, options(row))
         if rec.pipelined and stages > 1

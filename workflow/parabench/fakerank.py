@@ -51,46 +51,40 @@ from torch.distributed.tensor.parallel import loss_parallel
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from parabench import envinfo, gpus, peak, runtime
-from parabench.catalog import MESH_DIMS
 from parabench.gpus import GPU
+from parabench.layout import Layout
 from parabench.models import build
 from parabench.models.base import Model, fake_mode, quiet_fake
 from parabench.ops import BY_C10D
 from parabench.runtime import NamedMesh
 from parabench.spec import ModelSpec
 from parabench.strategies import checkpointing
+from parabench.strategies.parallelize import Parallel, parallelize
 
 AC_LEVELS = ("none", "selective", "full")
 
 
 @dataclasses.dataclass(frozen=True)
-class Shape:
-    """What one rank's memory and work depend on (the pipeline degree does not: a stage
-    is measured as a model of its blocks)."""
+class Probe:
+    """What one rank's memory and work depend on: its stage's layout (the pipeline
+    degree does not count: a stage is measured as a model of its blocks, Layout.stage),
+    its micro-batch, its depth, and the run's precision and optimizer."""
 
-    tp: int = 1
-    dp_shard: int = 1
-    dp_replicate: int = 1
-    ac: str = "none"
+    layout: Layout = Layout()
     micro: int = 1  # samples per micro-batch
-    reshard: bool = True  # FSDP: free the gathered parameters after forward (ZeRO-3)
     blocks: int = 0  # repeated blocks in the stage; 0: the model's own depth
     precision: str = "bf16"
     optimizer: str = "adamw"
-    sequence: bool = True  # TP sequence parallel, where the model declares how
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "layout", self.layout.stage)
 
     @property
     def world(self) -> int:
-        return self.tp * self.dp_shard * self.dp_replicate
+        return self.layout.world
 
-    @property
-    def degrees(self) -> dict[str, int]:
-        return {
-            "pp": 1,
-            "dp_replicate": self.dp_replicate,
-            "dp_shard": self.dp_shard,
-            "tp": self.tp,
-        }
+    def replace(self, **changes) -> Probe:
+        return dataclasses.replace(self, **changes)
 
 
 # --- the model at a depth -------------------------------------------------------------
@@ -231,14 +225,25 @@ class Counting(TorchDispatchMode):
         self.work = Work()
         self.dims = dims  # process group -> mesh dimension name
         self.phase = STEP
+        self.inside = False  # in DTensor's dispatch of an op (see _dtensor_op)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is _DEVICE:  # a query (see _DEVICE): no work
             return func(*args)
         kwargs = kwargs or {}
-        out = func(*args, **kwargs)
         name, moves, formula = _op(func)
-        if name.startswith(("c10d::", "_c10d_functional")):
+        collective = name.startswith(("c10d::", "_c10d_functional"))
+        if self.inside:  # a DTensor op's own local ops: counted at the DTensor op
+            out = func(*args, **kwargs)
+            if collective:
+                self._collective(func, name, args, kwargs, out)
+            return out
+        handler = _DTENSOR._op_dispatcher._custom_op_handlers.get(func)
+        if handler is not None and _DTENSOR in types:
+            out = self._handled(handler, func, args, kwargs)
+        else:
+            out = func(*args, **kwargs)
+        if collective:
             self._collective(func, name, args, kwargs, out)
             return out
         outs = _tensors(out) if moves else []
@@ -263,6 +268,20 @@ class Counting(TorchDispatchMode):
     def _phase(self) -> str:
         return RECOMPUTE if checkpointing.recomputing() else self.phase
 
+    def _handled(self, handler, func, args, kwargs):
+        """A DTensor op that DTensor hands to a handler of its own (loss_parallel's
+        reductions over the vocabulary), run with this mode pushed again, so that the
+        collectives it issues are counted too: below a mode's own handler that mode sees
+        nothing, and a real rank's group counts them all. The ops of DTensor's common
+        path (its sharding's redistributions) stay unseen (tests/test_parallelize.py
+        finds none in the layouts it runs)."""
+        self.inside = True
+        try:
+            with self:
+                return handler(func, args, kwargs)
+        finally:
+            self.inside = False
+
     def _collective(self, func, name, args, kwargs, out) -> None:
         from torch.distributed._tools.fake_collectives import CollectiveOp, collective_ops
 
@@ -278,6 +297,8 @@ class Counting(TorchDispatchMode):
         entry["count"] += 1
         entry["bytes"] += nbytes
 
+
+from torch.distributed.tensor import DTensor as _DTENSOR  # noqa: E402
 
 # A fake tensor's device, asked of it through every mode (FakeTensor dispatches its
 # device): most of the ops a fake step dispatches (8,500 of 12,300 in a GPT-2 rank's
@@ -355,11 +376,10 @@ def _fake_world(size: int) -> Iterator[None]:
 _BUILT = itertools.count()
 
 
-def _mesh(shape: Shape) -> NamedMesh | None:
+def _mesh(layout: Layout) -> NamedMesh | None:
     from torch.distributed.device_mesh import init_device_mesh
 
-    deg = shape.degrees
-    dims = tuple(d for d in MESH_DIMS if deg[d] > 1)
+    dims = layout.declared()
     if not dims:
         return None
     # Named apart from every earlier measurement's: DeviceMesh compares equal by shape
@@ -367,48 +387,16 @@ def _mesh(shape: Shape) -> NamedMesh | None:
     # hand this one the groups of a world destroyed since (ranks.py's _BUILT, alike).
     tag = f"_{next(_BUILT)}"
     mesh = init_device_mesh(
-        "cpu", tuple(deg[d] for d in dims), mesh_dim_names=tuple(d + tag for d in dims)
+        "cpu", tuple(layout.degrees[d] for d in dims), mesh_dim_names=tuple(d + tag for d in dims)
     )
-    return NamedMesh(mesh, deg, tag)
+    return NamedMesh(mesh, layout, tag)
 
 
-def _parallelize(model: Model, shape: Shape, mesh: NamedMesh | None) -> None:
-    """The layout on the model, in torchtitan's order (strategies/layout.py): tensor
-    parallel, activation checkpointing, then data parallelism. With bf16, FSDP2's mixed
-    precision as torchtitan's default (bf16 parameters in compute, fp32 gradient
-    reduction, fp32 shards the optimizer steps); without FSDP, autocast at the step."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-    from parabench.strategies.layout import apply_tp
-    from parabench.strategies.tp import plan_of
-
-    if shape.tp > 1:
-        apply_tp(model.module, mesh, plan_of(model, shape.sequence, split_loss(model, shape)))
-    checkpointing.apply(model.blocks(), shape.ac)
-    if shape.dp_shard == 1 and shape.dp_replicate == 1:
-        return
-    mp = MixedPrecisionPolicy()
-    if shape.precision == "bf16":
-        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    if shape.dp_shard > 1:
-        dims = ("dp_replicate", "dp_shard") if shape.dp_replicate > 1 else ("dp_shard",)
-        dp = mesh.get(*dims)
-        for block in model.blocks():
-            fully_shard(block, mesh=dp, reshard_after_forward=shape.reshard, mp_policy=mp)
-        fully_shard(model.module, mesh=dp, reshard_after_forward=shape.reshard, mp_policy=mp)
-        return
-    from torch.distributed._composable.replicate_with_fsdp import replicate
-
-    # DDP as FSDP2's replicate: the C++ reducer of nn.parallel's DDP runs outside the
-    # dispatcher, where no fake tensor reaches it.
-    replicate(model.module, mesh=mesh.get("dp_replicate"), mp_policy=mp)
-
-
-def _optimizer(module: nn.Module, shape: Shape) -> torch.optim.Optimizer:
+def _optimizer(module: nn.Module, probe: Probe) -> torch.optim.Optimizer:
     params = [p for p in module.parameters() if p.requires_grad]
     # foreach=False: under fake tensors, foreach over DTensors reports transient
     # global-size buffers (docs/design/advise.md); the per-parameter loop's are exact.
-    if shape.optimizer == "adamw":
+    if probe.optimizer == "adamw":
         return torch.optim.AdamW(params, lr=1e-4, foreach=False)
     return torch.optim.SGD(params, lr=1e-4, foreach=False)
 
@@ -420,7 +408,8 @@ class Rank:
     model: Model
     optimizer: torch.optim.Optimizer
     batch: tuple[torch.Tensor, torch.Tensor]
-    shape: Shape
+    probe: Probe
+    par: Parallel
     dims: dict[str, str]  # process group name -> its mesh dimension
     boundary: list[int]  # set by the last block's forward: bytes leaving it
 
@@ -430,19 +419,20 @@ class Rank:
 
 
 @contextlib.contextmanager
-def rank(spec: ModelSpec, shape: Shape, fake: bool = True) -> Iterator[Rank]:
-    """Rank 0 of `shape`'s layout over torch's fake process group at its world size:
-    built on the meta device, parallelized there, then given storage: fake (nothing
-    allocated) or, `fake` False, real (tests/test_advise.py checks one against the
-    other). The optimizer's state is made, as every step after the first holds it."""
-    if shape.blocks:
-        spec = at_depth(spec, shape.blocks)
-    with _fake_world(shape.world), quiet_fake():
-        mesh = _mesh(shape)
+def rank(spec: ModelSpec, probe: Probe, fake: bool = True) -> Iterator[Rank]:
+    """Rank 0 of `probe`'s layout over torch's fake process group at its world size:
+    built on the meta device, parallelized there by the cells' own `parallelize`, then
+    given storage: fake (nothing allocated) or, `fake` False, real
+    (tests/test_advise.py checks one against the other). The optimizer's state is made,
+    as every step after the first holds it."""
+    if probe.blocks:
+        spec = at_depth(spec, probe.blocks)
+    with _fake_world(probe.world), quiet_fake():
+        mesh = _mesh(probe.layout)
         with torch.device("meta"):
             model = build(spec, 0)
         model.module.train()
-        _parallelize(model, shape, mesh)
+        par = parallelize(model, probe.layout, mesh, precision=probe.precision, fake=True)
         dims = {g.group_name: d for d, g in mesh.groups().items()} if mesh else {}
         boundary = [0]
         if blocks := model.blocks():
@@ -453,39 +443,26 @@ def rank(spec: ModelSpec, shape: Shape, fake: bool = True) -> Iterator[Rank]:
             )
         with fake_mode() if fake else contextlib.nullcontext():
             model.module.to_empty(device="cpu")
-            opt = _optimizer(model.module, shape)
+            opt = _optimizer(model.module, probe)
             for p in model.module.parameters():
                 p.grad = torch.zeros_like(p)
             opt.step()
             opt.zero_grad(set_to_none=True)
-            batch = model.batch(shape.micro, torch.Generator().manual_seed(0))
-            yield Rank(model, opt, batch, shape, dims, boundary)
-
-
-def split_loss(model: Model, shape: Shape) -> bool:
-    """Whether the rank's loss runs on vocabulary-split logits, as a cell's would
-    (tp.loss_parallel): sequence-parallel TP and a split head. A stage here is a model
-    of its blocks, so torchtitan's pipelines, which keep the loss parallel, are priced
-    with it."""
-    from parabench.strategies.tp import HEAD
-
-    return shape.tp > 1 and shape.sequence and HEAD in model.sp_plan.values()
+            batch = model.batch(probe.micro, torch.Generator().manual_seed(0))
+            yield Rank(model, opt, batch, probe, par, dims, boundary)
 
 
 def step(r: Rank, counting: Counting | None = None) -> None:
     """One training step of the rank: forward, backward, optimizer (the optimizer's ops
     booked as its own phase where `counting`)."""
-    shape = r.shape
-    # FSDP2's mixed precision casts the parameters; with nothing sharded, autocast
+    # FSDP's mixed precision casts the parameters; without it, autocast (parallelize)
     autocast = (
-        torch.autocast("cpu", dtype=torch.bfloat16)
-        if shape.precision == "bf16" and shape.dp_shard == shape.dp_replicate == 1
-        else contextlib.nullcontext()
+        torch.autocast("cpu", dtype=torch.bfloat16) if r.par.autocast else contextlib.nullcontext()
     )
     x, y = r.batch
     with autocast:
         out = r.module(x)
-    with loss_parallel() if split_loss(r.model, shape) else contextlib.nullcontext():
+    with loss_parallel() if r.par.split_loss else contextlib.nullcontext():
         r.model.loss_fn(out, y).backward()
     if counting is not None:
         counting.phase = OPTIMIZER
@@ -595,10 +572,10 @@ def total_tracker_class() -> type:
     return TotalTracker
 
 
-def measure(spec: ModelSpec, shape: Shape) -> Measured:
-    """One rank's step at `shape` (and `shape.blocks` blocks, where set) under fake
+def measure(spec: ModelSpec, probe: Probe) -> Measured:
+    """One rank's step at `probe` (and `probe.blocks` blocks, where set) under fake
     tensors: its peak memory by category, its work and its collectives."""
-    with rank(spec, shape) as r:
+    with rank(spec, probe) as r:
         tracker = _tracker_class()()
         tracker.track_external(r.module, r.optimizer)
         counting = Counting(r.dims)
@@ -696,28 +673,26 @@ SETTLED = 0.01
 _SETTLED: dict[tuple, int] = {}
 
 
-def at_blocks(spec: ModelSpec, shape: Shape, blocks: int) -> Measured:
-    """The rank of `shape` with `blocks` repeated blocks: measured at successive depths
+def at_blocks(spec: ModelSpec, probe: Probe, blocks: int) -> Measured:
+    """The rank of `probe` with `blocks` repeated blocks: measured at successive depths
     from FIRST_PROBE until two successive blocks add the same to the peak (the peak has
     settled in the phase of the step that grows with depth: tests/test_advise.py), then
     extended from the last two; measured at `blocks` itself where the search gets there
     first, or where the model's depth cannot be set."""
     if depth(spec) is None:
-        return measure(spec, dataclasses.replace(shape, blocks=0))
+        return measure(spec, probe.replace(blocks=0))
     if blocks <= FIRST_PROBE + 1:
-        return measure(spec, dataclasses.replace(shape, blocks=blocks))
-    key = (spec, dataclasses.replace(shape, micro=0, ac="", blocks=0))
+        return measure(spec, probe.replace(blocks=blocks))
+    key = (spec, probe.replace(micro=0, blocks=0, layout=probe.layout.replace(ac="")))
     if (k := _SETTLED.get(key)) and k + 1 < blocks:
-        low, high = (measure(spec, dataclasses.replace(shape, blocks=b)) for b in (k, k + 1))
+        low, high = (measure(spec, probe.replace(blocks=b)) for b in (k, k + 1))
         return extended(low, high, blocks)
-    probes = [
-        measure(spec, dataclasses.replace(shape, blocks=k)) for k in (FIRST_PROBE, FIRST_PROBE + 1)
-    ]
+    probes = [measure(spec, probe.replace(blocks=k)) for k in (FIRST_PROBE, FIRST_PROBE + 1)]
     while True:
         k = probes[-1].blocks + 1
         if k >= blocks:
-            return measure(spec, dataclasses.replace(shape, blocks=blocks))
-        probes.append(measure(spec, dataclasses.replace(shape, blocks=k)))
+            return measure(spec, probe.replace(blocks=blocks))
+        probes.append(measure(spec, probe.replace(blocks=k)))
         a, b, c = (p.peak_bytes for p in probes[-3:])
         if abs((c - b) - (b - a)) <= SETTLED * max(abs(c - b), 1):
             _SETTLED[key] = probes[-3].blocks

@@ -47,8 +47,7 @@ from parabench.spec import RunSpec
 def _dp_share(spec: RunSpec) -> float:
     """The share of a device in its data-parallel rank: 1/(tp x pp), 1 for the
     strategies without degrees (their rank is their device)."""
-    deg = spec.degrees
-    return 1 / (deg["tp"] * deg["pp"])
+    return 1 / (spec.layout.tp * spec.layout.pp)
 
 
 def predict(row: dict, spec: RunSpec, fabric: Fabric) -> dict:
@@ -56,7 +55,7 @@ def predict(row: dict, spec: RunSpec, fabric: Fabric) -> dict:
     compute, settings = row["compute_s"], dict(spec.options)
     m = settings.get("microbatches", 1)
     # the rank planned is rank 0: for a pipeline, its first stage's sends alone
-    comm = layout_comm([row["comm_by_dim"]], fabric.time, spec.degrees, m)
+    comm = layout_comm([row["comm_by_dim"]], fabric.time, spec.layout.degrees, m)
     bubble = bubble_time(spec.record, compute, spec.stages, settings)
     step = compute + comm + bubble
     return {

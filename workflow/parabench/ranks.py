@@ -157,7 +157,7 @@ def saved_activations(step) -> int | None:
 def _one_dim(spec: RunSpec) -> str:
     """The mesh dimension a 1-D strategy's world is (ddp: dp_replicate), or "world"
     for a strategy with none."""
-    return next(iter(spec.record.degrees.declared()), "world")
+    return next(iter(spec.record.layout.declared()), "world")
 
 
 def measured(spec: RunSpec, threads: int, rank: int = 0) -> dict:

@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from parabench import nocomm
 from parabench.envinfo import usable_cores
+from parabench.layout import Layout
 from parabench.spec import RunSpec
 
 
@@ -85,14 +86,14 @@ class Context:
 
 
 class NamedMesh:
-    """A layout's device mesh, named by catalog.MESH_DIMS, with the dimensions of degree
+    """A layout's device mesh, named by layout.MESH_DIMS, with the dimensions of degree
     1 left out (torchtitan's ParallelDims.build_mesh). The no-communication mesh's
     names carry a suffix: DeviceMesh compares equal by layout and names, never by its
     groups, and DTensor caches by mesh, so one named like the real one would reuse the
     real one's collectives."""
 
-    def __init__(self, mesh, degrees: dict[str, int], suffix: str = "") -> None:
-        self.mesh, self.degrees, self.suffix = mesh, degrees, suffix
+    def __init__(self, mesh, layout: Layout, suffix: str = "") -> None:
+        self.mesh, self.layout, self.suffix = mesh, layout, suffix
 
     def get(self, *dims: str):
         """The (sub)mesh over these dimensions, all of degree > 1."""
@@ -104,18 +105,16 @@ class NamedMesh:
 
     def coordinate(self, dim: str) -> int:
         """This rank's index along `dim` (0 along a dimension of degree 1)."""
-        if self.degrees[dim] == 1:
+        if self.layout.degrees[dim] == 1:
             return 0
         return self.get(dim).get_local_rank()
 
     def groups(self) -> dict[str, dist.ProcessGroup]:
         """Each dimension of degree > 1 and this rank's group along it."""
-        return {d: self.group(d) for d, k in self.degrees.items() if k > 1}
+        return {d: self.group(d) for d in self.layout.declared()}
 
 
-def build_meshes(
-    degrees: dict[str, int], device_type: str, tag: str = ""
-) -> tuple[NamedMesh, NamedMesh]:
+def build_meshes(layout: Layout, device_type: str, tag: str = "") -> tuple[NamedMesh, NamedMesh]:
     """The layout's real mesh over the default group's backend, and the same mesh
     without communication (nocomm.BACKEND on every dimension). Every rank calls it, in
     the same order: each dimension's groups are made collectively. Where the default
@@ -125,20 +124,18 @@ def build_meshes(
     the last ones, which compare equal by shape and names."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from parabench.catalog import MESH_DIMS
-
-    dims = tuple(d for d in MESH_DIMS if degrees[d] > 1)
-    shape = tuple(degrees[d] for d in dims)
+    dims = layout.declared()
+    shape = tuple(layout.degrees[d] for d in dims)
     names = tuple(d + tag for d in dims)
     local_names = tuple(f"{d}_nocomm{tag}" for d in dims)
-    real = NamedMesh(init_device_mesh(device_type, shape, mesh_dim_names=names), degrees, tag)
+    real = NamedMesh(init_device_mesh(device_type, shape, mesh_dim_names=names), layout, tag)
     local = init_device_mesh(
         device_type,
         shape,
         mesh_dim_names=local_names,
         backend_override={d: nocomm.BACKEND for d in local_names},
     )
-    local = NamedMesh(local, degrees, "_nocomm" + tag)
+    local = NamedMesh(local, layout, "_nocomm" + tag)
     if nocomm.used(dist.group.WORLD):  # a rank alone: no peer will ever send
         for mesh in (real, local):
             for group in mesh.groups().values():
@@ -213,9 +210,9 @@ def alone(
 def with_meshes(ctx: Context, spec: RunSpec) -> Context:
     """`ctx` with its layout's meshes (build_meshes), named apart from every earlier
     rank's in this process; `ctx` as it is for a strategy that is no layout."""
-    if not spec.record.layout:
+    if not spec.record.composed:
         return ctx
-    meshes = build_meshes(spec.degrees, ctx.device.type, f"_{next(_BUILT)}")
+    meshes = build_meshes(spec.layout, ctx.device.type, f"_{next(_BUILT)}")
     return dataclasses.replace(ctx, meshes=meshes)
 
 
@@ -309,7 +306,9 @@ def start(spec: RunSpec) -> Context:
                 backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
             )
         distributed, group, local = True, dist.group.WORLD, nocomm.local_group()
-    meshes = build_meshes(spec.degrees, device.type) if spec.record.layout and distributed else None
+    meshes = (
+        build_meshes(spec.layout, device.type) if spec.record.composed and distributed else None
+    )
     return Context(
         rank,
         world,

@@ -45,13 +45,13 @@ from parabench import anatomy
 from parabench.catalog import (
     ACTIVATIONS,
     GRADS,
-    MESH_DIMS,
     OPTIMIZER,
     PARAMS,
     REFERENCE,
     SPLITS,
     record,
 )
+from parabench.layout import MESH_DIMS, Layout
 from parabench.ops import OPS
 
 TOLERANCE = 0.25
@@ -118,7 +118,7 @@ def measured_alone(
     if len(bad := mine[mine["status"] != "ok"]):
         r = bad.iloc[0]
         return mine.iloc[:0], f"its rank {r['rank']} measured alone {r['status']}: {r['reason']}"
-    wanted = degrees_of(row)["pp"] if record(row["strategy"]).pipelined else 1
+    wanted = layout_of(row).pp if record(row["strategy"]).pipelined else 1
     if len(mine) < wanted:
         return mine.iloc[:0], "no rank of it was measured alone (not in ranks.csv)"
     return mine, ""
@@ -147,13 +147,13 @@ def by_dim(row, strategy: str) -> dict[str, dict]:
     in a row without them, its comm_by_op under the strategy's one dimension."""
     if isinstance(row.get("comm_by_dim"), str | dict) and row.get("comm_by_dim"):
         return _json(row["comm_by_dim"])
-    dims = record(strategy).degrees.declared()
+    dims = record(strategy).layout.declared()
     return {dims[0] if dims else "world": _json(row.get("comm_by_op"))}
 
 
 def spans(degrees: dict[str, int]) -> dict[str, int]:
     """How many consecutive ranks each mesh dimension's group spans: its degree times
-    the degrees inside it (catalog.MESH_DIMS, outermost first; tp innermost). With tp 8
+    the degrees inside it (layout.MESH_DIMS, outermost first; tp innermost). With tp 8
     inside, a dp_shard group of 8 spans 64 ranks, eight nodes, not one."""
     out, inner = {}, 1
     for d in reversed(MESH_DIMS):
@@ -231,10 +231,10 @@ def predict(
             comm = layout_comm(
                 [by_dim(r, row["strategy"]) for _, r in mine.iterrows()],
                 lambda op, k, nbytes, _span: curve_time(curves, op, k, nbytes),
-                degrees_of(row),
+                layout_of(row).degrees,
                 settings.get("microbatches", 1),
             )
-        bubble = bubble_time(rec, compute, degrees_of(row)["pp"], settings)
+        bubble = bubble_time(rec, compute, layout_of(row).pp, settings)
         predicted = compute + bubble + comm
         error = predicted / row["step_time_s"] - 1
         miss = _miss(row, compute, bubble, comm) if abs(error) > TOLERANCE else ""
@@ -252,11 +252,12 @@ def predict(
     return out
 
 
-def degrees_of(row) -> dict[str, int]:
-    """A summary row's degrees on the mesh (catalog.Degrees at its devices, options)."""
+def layout_of(row) -> Layout:
+    """A summary row's degrees on the mesh (its record's layout at its devices and
+    options)."""
     rec = record(row["strategy"])
     opts = {**{k: o.default for k, o in rec.options.items()}, **options(row)}
-    return rec.degrees.at(int(row["devices"]), opts)
+    return rec.layout.at(int(row["devices"]), opts)
 
 
 def bubble_time(rec, compute: float, n: int, settings: dict) -> float:
@@ -340,7 +341,7 @@ def memory_model(row: pd.Series, params: float, act_per_sample: float) -> dict[s
     strategy splits it (sharded, or cut into stages or matrix slices)."""
     r = record(row["strategy"])
     n = int(row["devices"])
-    deg = degrees_of(row)
+    deg = layout_of(row).degrees
     # each mesh dimension splits what catalog.SPLITS says; a strategy's own sharding
     # (ZeRO-1's optimizer, DataParallel's batch) splits over all n
     share = {

@@ -18,6 +18,7 @@ from dataclasses import MISSING, asdict, dataclass, field, fields
 
 from parabench.catalog import REFERENCE, record
 from parabench.envinfo import runs_on_cuda
+from parabench.layout import Layout
 from parabench.models.facts import DEFAULTS
 from parabench.records import CELL_DIR
 
@@ -100,7 +101,7 @@ class RunSpec:
     optimizer: str = "sgd"  # sgd | adamw
     compile: bool = False  # torch.compile each block before the strategy wraps it
     # Activation checkpointing of each repeated block: none | full | selective | every<k>
-    # (catalog.AC_PATTERN). Absent from the settings' dict and hash when none, so the
+    # (layout.AC_PATTERN). Absent from the settings' dict and hash when none, so the
     # cells of configs that never name it keep their paths and hashes.
     ac: str = "none"
     seed: int = 0
@@ -167,10 +168,20 @@ class RunSpec:
         return self.devices // self.ranks * local_world
 
     @property
-    def degrees(self) -> dict[str, int]:
-        """Each mesh dimension's degree in this cell (catalog.MESH_DIMS), all 1 for the
-        one-process strategies."""
-        return self.record.degrees.at(self.devices, dict(self.options))
+    def layout(self) -> Layout:
+        """The cell's layout: its record's declaration settled at its devices and
+        options, with its AC, ZeRO level (FSDP's reshard_after_forward; in a pipeline
+        always ZeRO-2, torchtitan's default: each micro-batch's backward would gather
+        every parameter again), sequence parallelism and schedule. All degrees 1 for
+        the one-process strategies."""
+        opts = dict(self.options)
+        lay = self.record.layout.at(self.devices, opts)
+        return lay.replace(
+            zero=3 if opts.get("reshard_after_forward", True) and lay.pp == 1 else 2,
+            ac=self.ac,
+            sequence_parallel=bool(opts.get("sequence_parallel", False)),
+            schedule=opts.get("schedule", "1f1b"),
+        )
 
     @property
     def stages(self) -> int:
@@ -178,7 +189,7 @@ class RunSpec:
         devices (one process drives them all), else 1."""
         if not self.record.cuts_model:
             return 1
-        return self.degrees["pp"] if self.record.pipelined else self.devices
+        return self.layout.pp if self.record.pipelined else self.devices
 
     @property
     def is_reference(self) -> bool:

@@ -9,7 +9,8 @@ from pathlib import Path
 from snakemake.exceptions import WorkflowError
 from snakemake.logging import logger
 
-from parabench.catalog import AC_PATTERN, OPTIMIZERS, PRECISIONS, STRATEGIES, multi_rank
+from parabench.catalog import OPTIMIZERS, PRECISIONS, STRATEGIES, multi_rank
+from parabench.layout import AC_PATTERN
 from parabench.checks import static_skip_reason
 from parabench.config import (
     alone_ranks,

@@ -10,7 +10,7 @@ import pandas as pd
 
 from parabench.catalog import record
 from parabench.report.loading import rows
-from parabench.scaling import degrees_of
+from parabench.scaling import layout_of
 
 # The one-dimensional strategies that are a layout of advise's as they stand: DDP over
 # dp_replicate, FSDP2 over dp_shard, TP over tp (and every layout record).
@@ -143,9 +143,9 @@ def ranking(adv: pd.DataFrame, summary: pd.DataFrame) -> list[dict]:
         pairs = []
         for _, row in mine.iterrows():
             rec = record(row["strategy"])
-            if not (rec.layout or row["strategy"] in PLAIN):
+            if not (rec.composed or row["strategy"] in PLAIN):
                 continue  # its own machinery (ZeRO-1, compression, accumulation): no layout
-            deg = degrees_of(row)
+            deg = layout_of(row).degrees
             if sum(v > 1 for v in deg.values()) == 0:
                 continue  # one process, no layout
             zero = 3 if deg["dp_shard"] > 1 else 0

@@ -17,7 +17,8 @@ import math
 
 import pandas as pd
 
-from parabench.catalog import CATALOG, LABELS, MESH_DIMS
+from parabench.catalog import CATALOG, LABELS
+from parabench.layout import MESH_DIMS
 
 _CELL = ["model", "precision", "optimizer", "compile"]
 
@@ -173,8 +174,8 @@ def best_layout(summary: pd.DataFrame) -> list[str]:
     out = []
     for key, g in ok.groupby([*_CELL, "devices"], sort=False):
         g = g[~g["emulated"].astype(bool)]  # stand-in devices are not ranked
-        layout = g[[CATALOG[s].layout for s in g["strategy"]]]
-        flat = g[[not CATALOG[s].layout for s in g["strategy"]]]
+        layout = g[[CATALOG[s].composed for s in g["strategy"]]]
+        flat = g[[not CATALOG[s].composed for s in g["strategy"]]]
         if layout.empty or flat.empty:
             continue
         a = layout.loc[layout["step_time_s"].idxmin()]

@@ -2,7 +2,7 @@
 
 A checkpointed block keeps only its input from the forward; backward runs its forward
 again to rebuild the activations it needs (the recompute), trading compute for
-memory. Levels (catalog.AC_PATTERN), as torchtitan's `activation_checkpoint` offers:
+memory. Levels (layout.AC_PATTERN), as torchtitan's `activation_checkpoint` offers:
 - full: every repeated block;
 - selective: every block, under torchtitan's per-op policy: the results of matmuls,
   attention and collectives are saved, the cheap elementwise ops recomputed (less

@@ -34,6 +34,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from parabench.layout import Layout
 from parabench.models.base import Model
 from parabench.runtime import Context
 from parabench.spec import RunSpec
@@ -118,33 +119,29 @@ def plan_of(model: Model, sequence: bool, loss: bool = False) -> dict:
     return {k: "colwise_to_loss" if loss and v == HEAD else v for k, v in plan.items()}
 
 
-def loss_parallel(model: Model, spec: RunSpec) -> bool:
-    """Whether the cell's loss runs on logits split over the vocabulary (torch's
+def loss_parallel(model: Model, layout: Layout) -> bool:
+    """Whether the loss runs on logits split over the vocabulary (torch's
     loss_parallel, as torchtitan's default): where TP is sequence parallel and the
     model's head is split, outside a pipeline (whose last stage gives the schedule a
     plain tensor, as its declared example is)."""
-    return (
-        sequence_parallel(model, spec)
-        and spec.degrees["pp"] == 1
-        and HEAD in model.sp_plan.values()
-    )
+    return sequence_parallel(model, layout) and layout.pp == 1 and HEAD in model.sp_plan.values()
 
 
-def plan_for(model: Model, spec: RunSpec) -> tuple[dict, bool]:
-    """A cell's TP plan (plan_of, as its options and the model allow) and whether its
-    loss runs on the split logits (loss_parallel)."""
-    split = loss_parallel(model, spec)
-    return plan_of(model, sequence_parallel(model, spec), split), split
+def plan_for(model: Model, layout: Layout) -> tuple[dict, bool]:
+    """The layout's TP plan (plan_of, as the layout asks and the model allows) and
+    whether its loss runs on the split logits (loss_parallel)."""
+    split = loss_parallel(model, layout)
+    return plan_of(model, sequence_parallel(model, layout), split), split
 
 
-def sequence_parallel(model: Model, spec: RunSpec) -> bool:
-    """Whether the cell's TP runs sequence parallel: asked, and the model allows it.
+def sequence_parallel(model: Model, layout: Layout) -> bool:
+    """Whether the layout's TP runs sequence parallel: asked, and the model allows it.
     Not in a pipeline whose stages would pass DTensors (a model whose hidden states
     stay DTensors, `_dtensor` styles): a stage sends plain tensors only."""
-    if not (spec.option("sequence_parallel") and model.sp_plan):
+    if not (layout.sequence_parallel and model.sp_plan):
         return False
     dtensors = any(str(s).endswith("_dtensor") for s in model.sp_plan.values())
-    return not (dtensors and spec.degrees["pp"] > 1)
+    return not (dtensors and layout.pp > 1)
 
 
 class TensorParallel(Strategy):
@@ -154,7 +151,7 @@ class TensorParallel(Strategy):
         super().__init__(model, spec, ctx)
         mesh = ctx.mesh()
         blocks = model.module.to(ctx.device)
-        plan, self.split_loss = plan_for(model, spec)
+        plan, self.split_loss = plan_for(model, spec.layout)
         parallelize_module(blocks, mesh, styles(plan))
         self.module = blocks
         self.opt = make_optimizer(blocks.parameters(), spec)

@@ -1,0 +1,191 @@
+"""A layout: how one training run lays its ranks on the devices and its model on the
+ranks, as one value (torchtitan's ParallelDims, without context and expert parallelism).
+
+Everything that lays out a run reads this one type: a strategy's catalog record
+declares its Layout (degrees that may be an option's name or REST), a cell's RunSpec
+resolves it at its device count and options (`RunSpec.layout`), runtime builds the
+named mesh of it, strategies.parallelize applies it to the model in torchtitan's
+order, and advise's candidates, and the fake-tensor rank they are measured on, are
+Layouts with a micro-batch. So a benchmark cell and advise's price of the same layout
+cannot drift apart.
+
+Torch-free: the Snakefile imports the catalog, hence this, at parse time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from dataclasses import dataclass
+
+# The named device mesh, outermost dimension first, as torchtitan's ParallelDims builds
+# it: tp innermost, so a tensor-parallel group is adjacent ranks (one node's NVLink);
+# pp outermost, so stages talk across the slowest links, the least often.
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
+# A degree that takes the devices the others leave (at most one per layout).
+REST = "rest"
+# Activation checkpointing levels: none; full (every repeated block recomputed in
+# backward); selective (torchtitan's per-op policy: matmuls, attention and collectives
+# saved, the cheap elementwise ops recomputed); every<k> (every k-th block in full).
+AC_PATTERN = r"none|full|selective|every[2-9]"
+SCHEDULES = ("gpipe", "1f1b")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Each mesh dimension's degree, and how the model is laid on them:
+
+    - `zero`, the ZeRO level of the data-parallel sharding, its one name here:
+      3, FSDP frees the gathered parameters after forward and gathers them again in
+      backward (the config's `reshard_after_forward: true`); 2, it keeps them to
+      backward; 0, nothing sharded (DDP, or no data parallelism);
+    - `ac`, activation checkpointing of each repeated block (AC_PATTERN);
+    - `sequence_parallel`, TP's activations between blocks sharded over tp on the
+      sequence, with the head split on the vocabulary (where the model declares how);
+    - `schedule`, a pipeline's.
+
+    A settled layout's degrees are integers, and the settings its degrees make moot
+    are normalised (zero 0 without dp_shard, no schedule without pp), so two layouts
+    that run alike compare equal. Sequence parallelism stays as asked: at tp 1 its
+    plan still runs, over a mesh of one (a one-GPU rehearsal of TP's code path). A
+    record's declaration may name an option (fsdp_tp's `tp`) or REST for a degree;
+    `at` settles it."""
+
+    pp: int | str = 1
+    dp_replicate: int | str = 1
+    dp_shard: int | str = 1
+    tp: int | str = 1
+    zero: int = 3
+    ac: str = "none"
+    sequence_parallel: bool = True
+    schedule: str = "1f1b"
+
+    def __post_init__(self) -> None:
+        if not self.settled:
+            return
+        moot = {}
+        if self.dp_shard == 1 and self.zero > 1:
+            moot["zero"] = 0
+        if self.pp == 1:
+            moot["schedule"] = ""
+        for k, v in moot.items():
+            object.__setattr__(self, k, v)
+
+    # --- the degrees ------------------------------------------------------------------
+
+    @property
+    def settled(self) -> bool:
+        """Every degree an integer (not a record's declaration)."""
+        return all(isinstance(getattr(self, d), int) for d in MESH_DIMS)
+
+    @property
+    def degrees(self) -> dict[str, int]:
+        """Each mesh dimension's degree, outermost first."""
+        return {d: getattr(self, d) for d in MESH_DIMS}
+
+    def declared(self) -> tuple[str, ...]:
+        """The dimensions this layout uses (those not fixed at 1), outermost first: the
+        named mesh's, as torchtitan's ParallelDims.build_mesh leaves out degree 1."""
+        return tuple(d for d in MESH_DIMS if getattr(self, d) != 1)
+
+    @property
+    def world(self) -> int:
+        return math.prod(self.degrees.values())
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel ranks: each takes its own slice of the batch."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def stage(self) -> Layout:
+        """One pipeline stage's layout: what a rank of it holds and does, whatever the
+        number of stages (advise measures a stage as a model of its blocks)."""
+        return dataclasses.replace(self, pp=1, schedule="")
+
+    def replace(self, **changes) -> Layout:
+        return dataclasses.replace(self, **changes)
+
+    # --- a record's declaration, settled ------------------------------------------------
+
+    def at(self, devices: int, options: dict, **settings) -> Layout:
+        """This declaration's degrees at `devices` (an option's name read from `options`,
+        REST the devices the others leave, rounded down: `problem` says when they do not
+        divide), with `settings` (zero, ac, sequence_parallel, schedule)."""
+        out = {}
+        for d in MESH_DIMS:
+            v = getattr(self, d)
+            out[d] = int(options[v]) if isinstance(v, str) and v != REST else v
+        fixed = math.prod(v for v in out.values() if v != REST)
+        out = {d: (max(1, devices // fixed) if v == REST else v) for d, v in out.items()}
+        return dataclasses.replace(self, **out, **settings)
+
+    def problem(self, name: str, devices: int, options: dict) -> str | None:
+        """Why this declaration cannot lay out `devices`, naming the option at fault
+        (options.<strategy>.<key>)."""
+        given = {d: getattr(self, d) for d in self.declared() if getattr(self, d) != REST}
+        fixed = math.prod(int(options[v]) if isinstance(v, str) else v for v in given.values())
+        keys = " x ".join(
+            f"options.{name}.{v} ({options[v]})" if isinstance(v, str) else str(v)
+            for v in given.values()
+        )
+        rest = [d for d in MESH_DIMS if getattr(self, d) == REST]
+        if devices % fixed:
+            return f"{keys} does not divide {devices} devices"
+        if rest and devices // fixed < 2:
+            return f"{keys} leaves {rest[0]} {devices // fixed} at {devices} devices (needs >= 2)"
+        if not rest and devices != fixed:
+            return f"{keys} lays out {fixed} devices, not {devices}"
+        return None
+
+    def problems(self, key: str = "layout") -> list[str]:
+        """What is wrong with a settled layout, each naming `key`'s field."""
+        out = []
+        for d in MESH_DIMS:
+            v = getattr(self, d)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                out.append(f"{key}.{d}: must be an integer >= 1, got {v!r}")
+        if self.zero not in (0, 2, 3):
+            out.append(f"{key}.zero: must be 3, 2 or 0, got {self.zero!r}")
+        if self.settled and self.dp_shard > 1 and self.zero == 0:
+            out.append(f"{key}.zero: FSDP over dp_shard {self.dp_shard} shards (2 or 3), got 0")
+        if not re.fullmatch(AC_PATTERN, str(self.ac)):
+            out.append(f"{key}.ac: must match {AC_PATTERN}, got {self.ac!r}")
+        if self.settled and self.pp > 1 and self.schedule not in SCHEDULES:
+            out.append(f"{key}.schedule: must be one of {list(SCHEDULES)}, got {self.schedule!r}")
+        return out
+
+    # --- how people name it ---------------------------------------------------------------
+
+    @property
+    def parallelism(self) -> str:
+        """Its degrees as torchtitan's tables name them: FSDP 32 × TP 8, HSDP 4×8 ×
+        PP 2, DDP 64; "one device" for none."""
+        parts = []
+        if self.dp_shard > 1 and self.dp_replicate > 1:
+            parts.append(f"HSDP {self.dp_replicate}×{self.dp_shard}")
+        elif self.dp_shard > 1:
+            parts.append(f"FSDP {self.dp_shard}")
+        elif self.dp_replicate > 1:
+            parts.append(f"DDP {self.dp_replicate}")
+        if self.tp > 1:
+            parts.append(f"TP {self.tp}")
+        if self.pp > 1:
+            parts.append(f"PP {self.pp}")
+        return " × ".join(parts) or "one device"
+
+    @property
+    def label(self) -> str:
+        """The whole layout in a line: "FSDP 32 × TP 8, SP, full AC", "FSDP 8, ZeRO-2",
+        "DDP 4 × PP 2, 1F1B"."""
+        parts = [self.parallelism]
+        if self.tp > 1 and self.sequence_parallel:
+            parts.append("SP")
+        if self.dp_shard > 1 and self.zero == 2:
+            parts.append("ZeRO-2")
+        if self.pp > 1:
+            parts.append(self.schedule.upper())
+        if self.ac != "none":
+            parts.append(f"{self.ac} AC")
+        return ", ".join(parts)
