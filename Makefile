@@ -107,7 +107,7 @@ bench: $(STAMP)
 	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python benchmarks/launch_overhead.py
 
 # One mutation-testing pass over the core (issue 47; not in CI): docs/design/mutation.md.
-# ARGS: mutmut's names of some mutants to run again, e.g. ARGS='parabench.stats.x_verdict__*'
+# ARGS: mutmut's names of some mutants to run again, e.g. ARGS='parabench.analyze.stats.x_verdict__*'
 mutation: $(DEV_STAMP)
 	$(BIN)/python -m pip install -q "mutmut>=3.8,<4"
 	PYTHON="$(abspath $(BIN))/python" tools/mutation.sh $(ARGS)

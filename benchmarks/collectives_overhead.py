@@ -19,8 +19,8 @@ import torch
 import torch.distributed as dist
 from _torchrun import run_as_ranks
 
-from parabench import runtime
-from parabench.collectives import time_op
+from parabench.process import runtime
+from parabench.run.collectives import time_op
 from parabench.spec import ModelSpec, RunSpec
 
 SIZE = 16 * 2**20

@@ -4,7 +4,7 @@ warm start against both (a benchmark, not a test).
 Launches the same cell of the default config, in turn, as `python -m
 torch.distributed.run ...` (each rank a new Python importing torch), as `python -m
 parabench.torchrun ...` (the same agent, ranks forked once it has imported what they
-run), and as that command forked from a warm process (parabench.warm: the agent too is
+run), and as that command forked from a warm process (parabench.jobs.warm: the agent too is
 forked, from a process that imported torch once for the whole run), `--repeats` times
 each, and prints per launch: its wall time, the ranks' own setup (start of `run_cell`
 to the first step) and the cell's median timed step, which must not move: the fork
@@ -27,9 +27,9 @@ from pathlib import Path
 
 import pandas as pd
 
-from parabench import warm
 from parabench.config import load_config, spec_for
-from parabench.launch import cell_argv
+from parabench.jobs import warm
+from parabench.jobs.launch import cell_argv
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -24,12 +24,13 @@ import torch
 import torch.distributed as dist
 from _torchrun import run_as_ranks
 
-from parabench import runtime, strategies
+from parabench import strategies
 from parabench.catalog import CATALOG
-from parabench.cell import batch_source
-from parabench.loop import run_step, synchronizer
 from parabench.models import build
-from parabench.profiling import StepProfiler
+from parabench.process import runtime
+from parabench.run.cell import batch_source
+from parabench.run.loop import run_step, synchronizer
+from parabench.run.profiling import StepProfiler
 from parabench.spec import ModelSpec, RunSpec
 
 MODEL = ModelSpec.of("mlp", dims=[1024, 512, 384, 256, 128, 64, 1])  # the default run's
@@ -103,7 +104,7 @@ def worker(args) -> None:
         device=args.device,
     )
     ctx = runtime.start(first)
-    names = [n for n, r in CATALOG.items() if r.ranks(args.devices) > 1]
+    names = [n for n, r in CATALOG.items() if r.processes(args.devices) > 1]
     rows = [(n, measure(n, ctx, args.device, args.rounds)) for n in names]
     if ctx.is_main:
         print(f"{args.devices} ranks on {args.device}, seed-MLP-shaped model, batch 512")

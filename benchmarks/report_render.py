@@ -15,9 +15,9 @@ from pathlib import Path
 import torch
 
 from parabench import records
-from parabench.aggregate import aggregate
 from parabench.catalog import STRATEGIES, device_counts
 from parabench.report import render
+from parabench.report.aggregate import aggregate
 
 REPO = Path(__file__).resolve().parents[1]
 MODELS, REPEATS, STEPS, WARMUP, BATCH = ("a", "b", "c"), 21, 50, 10, 256

@@ -25,10 +25,11 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-from parabench import runtime, strategies
-from parabench.data import Shard, SyntheticBatches
-from parabench.loop import all_ranks, measure, synchronizer
+from parabench import strategies
 from parabench.models import build
+from parabench.process import runtime
+from parabench.process.data import Shard, SyntheticBatches
+from parabench.run.loop import all_ranks, measure, synchronizer
 from parabench.spec import ModelSpec, RunSpec
 
 SEED_MLP = ModelSpec.of("mlp")  # 1000-400-300-200-100-50-1

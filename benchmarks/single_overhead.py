@@ -19,12 +19,12 @@ import time
 
 import torch
 
-from parabench.data import Shard, SyntheticBatches
-from parabench.flops import step_flops
-from parabench.loop import measure, synchronizer
 from parabench.models import build
-from parabench.peak import gemm_flops_per_s
-from parabench.runtime import Context
+from parabench.process.data import Shard, SyntheticBatches
+from parabench.process.flops import step_flops
+from parabench.process.runtime import Context
+from parabench.run.loop import measure, synchronizer
+from parabench.run.peak import gemm_flops_per_s
 from parabench.spec import ModelSpec, RunSpec
 from parabench.strategies import get
 

@@ -22,7 +22,7 @@ import pytest
 import torch
 import yaml
 
-from parabench import launch, warm
+from parabench.jobs import launch, warm
 from parabench.spec import ModelSpec, RunSpec
 
 REPO = Path(__file__).resolve().parents[1]
@@ -75,7 +75,7 @@ def pytest_collection_modifyitems(config, items) -> None:
 @pytest.fixture(scope="session", autouse=True)
 def warm_launches():
     """Every process a test worker starts with QUIET_THREADS, and every launch forked
-    from one warm process, as a local run's are (parabench.warm), which imported torch
+    from one warm process, as a local run's are (parabench.jobs.warm), which imported torch
     with them (OpenMP reads them then): Snakemake and the sweep use it rather than start
     their own. The cold start, a cluster job's, is tests/test_warm.py's."""
     with pytest.MonkeyPatch.context() as mp:
@@ -111,8 +111,9 @@ _MADE: dict = {}
 def torchtitan_rows() -> list[dict]:
     """advise's check of torchtitan's published runs, as the CLI runs it (tens of
     seconds): test_advise's and the report's."""
-    from parabench import advise, gpus
-    from parabench.fabric import PROFILES
+    from parabench.hardware import gpus
+    from parabench.hardware.fabric import PROFILES
+    from parabench.predict import advise
 
     return once_per_session(
         "torchtitan",
@@ -222,14 +223,14 @@ def cells(tmp_path_factory):
 def assert_cell_records(
     spec: RunSpec, meta: dict, proc: subprocess.CompletedProcess | None, out: Path
 ) -> None:
-    """A launched cell's records: schema-valid, every step of its plan but the profiled
+    """A launched cell's records: schema-valid, every step of its step_kinds but the profiled
     ones in order, its samples and peaks; a DataParallel cell past one device skipped
     with its reason, writing nothing. `proc`: the launch, where the test ran it (None
     for a sweep's cell, whose log the sweep keeps)."""
     import csv
 
     from parabench import records
-    from parabench.loop import PROFILED, plan
+    from parabench.run.loop import PROFILED, step_kinds
 
     records.read_meta(out / "meta.json")  # schema-valid
     with open(out / "steps.csv") as f:
@@ -244,9 +245,9 @@ def assert_cell_records(
         return
     assert meta["status"] == "ok", f"{meta['reason']}\n{proc.stderr[-2000:] if proc else ''}"
     assert proc is None or proc.returncode == 0
-    # every step of the plan but the profiled ones, in order: warm-up, then timed runs
+    # every step but the profiled ones, in order: warm-up, then timed runs
     # with one warm-up step after each profiler session but the last
-    kinds = plan(spec.steps, spec.warmup, spec.profile_steps)
+    kinds = step_kinds(spec.steps, spec.warmup, spec.profile_steps)
     assert [r["phase"] for r in rows] == [k for k in kinds if k != PROFILED]
     assert [int(r["step"]) for r in rows] == [i for i, k in enumerate(kinds) if k != PROFILED]
     assert sum(r["phase"] == "timed" for r in rows) == spec.steps - spec.warmup

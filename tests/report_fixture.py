@@ -11,10 +11,10 @@ import torch
 
 from conftest import REPO, torchtitan_rows
 from parabench import records
-from parabench.aggregate import aggregate
-from parabench.flops import model_facts
 from parabench.models import build
+from parabench.process.flops import model_facts
 from parabench.report import render
+from parabench.report.aggregate import aggregate
 from parabench.spec import ModelSpec, RunSpec
 
 XSS = "<script>alert(1)</script>"
@@ -45,7 +45,7 @@ def _params(offset: float) -> bytes:
 
 
 # single's parameters move this far from their initial values; its reversed-order
-# replay lands REORDER_REL of that away (see parabench.equivalence).
+# replay lands REORDER_REL of that away (see parabench.analyze.equivalence).
 TRAVEL, REORDER_REL = 4.0, 1e-7
 
 
@@ -100,7 +100,7 @@ def make_results(
                 }
                 for i, t in enumerate(times)
             ]
-            ranks = spec.ranks
+            ranks = spec.processes
             reference = (
                 {"param_travel": TRAVEL, "reorder_rel_diff": REORDER_REL}
                 if strategy == "single"
@@ -129,8 +129,9 @@ def make_results(
 def advise_results(root: Path) -> None:
     """advise.csv for the fixture's model at 4 and 64 GPUs, and the torchtitan check,
     by the real search (fake tensors: seconds)."""
-    from parabench import advise, gpus
-    from parabench.fabric import PROFILES
+    from parabench.hardware import gpus
+    from parabench.hardware.fabric import PROFILES
+    from parabench.predict import advise
 
     config = {
         "models": {"m": {"arch": "mlp", "dims": DIMS, "batch_size": BATCH}},

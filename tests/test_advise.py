@@ -29,9 +29,10 @@ from test_layouts import GPT, derived
 
 import conftest
 from conftest import REPO
-from parabench import advise, fakerank, gpus
-from parabench.fabric import PROFILES, BusbwTable, Fabric
+from parabench.hardware import gpus
+from parabench.hardware.fabric import PROFILES, BusbwTable, Fabric
 from parabench.layout import Layout
+from parabench.predict import advise, fakerank
 from parabench.records import ADVISE_COLUMNS, TORCHTITAN_COLUMNS
 from parabench.spec import ModelSpec
 
@@ -61,7 +62,7 @@ def _real_peak(spec: ModelSpec, shape: fakerank.Probe) -> int:
     step allocates, from the profiler's allocator events (profiling.cpu_alloc_peak)."""
     from torch.profiler import ProfilerActivity, profile
 
-    from parabench.profiling import _chrome_events, cpu_alloc_peak
+    from parabench.run.profiling import _chrome_events, cpu_alloc_peak
 
     with fakerank.rank(spec, shape, fake=False) as r:
         held = sum(fakerank.local_bytes(t) for t in (*r.module.parameters(), *_states(r.optimizer)))

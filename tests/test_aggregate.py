@@ -12,9 +12,10 @@ import pytest
 import torch
 
 from conftest import REPO
-from parabench import fingerprint, models
-from parabench.aggregate import aggregate
+from parabench import models
+from parabench.analyze import fingerprint
 from parabench.config import load_config, model_spec
+from parabench.report.aggregate import aggregate
 from report_fixture import BATCH, CELLS, DDP_OFFSET, TRAVEL, make_results
 
 # config/gpu.yaml's resmlp: 541M parameters

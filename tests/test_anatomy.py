@@ -27,11 +27,14 @@ import pandas as pd
 import pytest
 
 from conftest import SGD_LR, TINY_MLP, run_cell, tiny_spec
-from parabench import aggregate, anatomy, crosscheck, marks, scaling
+from parabench.analyze import anatomy
 from parabench.catalog import record
 from parabench.models import build
 from parabench.ops import bus_factor
+from parabench.predict import crosscheck, scaling
+from parabench.process import marks
 from parabench.records import VARIANT_KEYS as VARIANT
+from parabench.report import aggregate
 from parabench.spec import ModelSpec
 
 F32 = 4
@@ -149,7 +152,7 @@ def closing(cells, strategy: str) -> tuple[dict, Path]:
 
 
 def read_again(meta: dict, out: Path) -> list[list[dict]]:
-    """Each rank's anatomy read here as cell.py reads it in the rank, from what the cell
+    """Each rank's anatomy read here as run/cell.py reads it in the rank, from what the cell
     kept: its trace (the profiled steps' events) and its regions' figures, the ranks
     sharing its cores found from the binding (one host)."""
     regions = meta["regions_per_rank"]
@@ -172,7 +175,7 @@ def summary_with(meta: dict, out: Path, per_rank: list[list[dict]], tmp_path: Pa
 
 
 def assert_each_step_holds(meta: dict, per_rank: list[list[dict]]) -> None:
-    """Every profiled step of every rank against the marks' own clocks (marks.py: each
+    """Every profiled step of every rank against the marks' own clocks (process/marks.py: each
     region's wall time, and its time on a core by the kernel's accounting), in plain
     arithmetic here: the step is the step region's length; no part overflows it
     (other_s, the remainder, is never negative); the remainder holds at most the time
@@ -813,9 +816,9 @@ def test_the_model_predicts_each_cell_from_one_rank_alone_and_the_curve():
 
 
 def test_the_profiled_steps_interleave_with_the_timed_ones():
-    from parabench.loop import PROFILED, TIMED, WARMUP, plan
+    from parabench.run.loop import PROFILED, TIMED, WARMUP, step_kinds
 
-    kinds = plan(steps=28, warmup=4, profile_steps=18)
+    kinds = step_kinds(steps=28, warmup=4, profile_steps=18)
     assert kinds[:4] == [WARMUP] * 4
     assert kinds.count(TIMED) == 24 and kinds.count(PROFILED) == 18
     # six sessions of three, one after each run of timed steps, the runs equal
@@ -823,19 +826,19 @@ def test_the_profiled_steps_interleave_with_the_timed_ones():
     assert [r.strip("w") for r in runs] == ["tttt"] * 6 + [""]
     # a warm-up step after every session but the last, so none starts a timed run skewed
     assert kinds.count(WARMUP) == 4 + 5 and kinds[-1] == PROFILED
-    assert plan(5, 2, 0) == [WARMUP, WARMUP, TIMED, TIMED, TIMED]
-    assert plan(4, 1, 1) == [WARMUP, TIMED, TIMED, TIMED, PROFILED]
+    assert step_kinds(5, 2, 0) == [WARMUP, WARMUP, TIMED, TIMED, TIMED]
+    assert step_kinds(4, 1, 1) == [WARMUP, TIMED, TIMED, TIMED, PROFILED]
 
 
 def test_the_no_communication_steps_run_in_blocks_between_the_sessions():
     """Every kind of step the checks compare is sampled across the whole cell: a block
     after each profiler session, each block started cold by one untimed step, with
-    batches the plan never uses (the real strategy's stay those of `single`)."""
+    batches the step kinds never use (the real strategy's stay those of `single`)."""
     import contextlib
 
     import torch
 
-    from parabench.loop import PROFILED, Silent, blocks, measure, plan
+    from parabench.run.loop import PROFILED, Silent, blocks, measure, step_kinds
 
     order: list[tuple[str, int]] = []
     draws: list[tuple[str, float]] = []
@@ -862,7 +865,7 @@ def test_the_no_communication_steps_run_in_blocks_between_the_sessions():
         def watch(self, last):
             return contextlib.nullcontext()
 
-    kinds = plan(steps=16, warmup=4, profile_steps=6)
+    kinds = step_kinds(steps=16, warmup=4, profile_steps=6)
     built, barriers = [], []
     silent = Silent(
         lambda: built.append(1) or (Steps("nocomm"), Batches()), lambda: barriers.append(1), 2
@@ -871,7 +874,7 @@ def test_the_no_communication_steps_run_in_blocks_between_the_sessions():
     assert blocks(kinds) == [i for i, k in enumerate(kinds) if k == PROFILED][2::3]
     assert built == [1], "the check's copy of the model is built once, at the first block"
     real = [b for name, b in order if name == "real"]
-    assert real == list(range(len(kinds))), "the plan's own steps and batches, in order"
+    assert real == list(range(len(kinds))), "the cell's own steps and batches, in order"
     # each block right after a session's last step, 1 untimed + 2 timed, batches unused
     names = [name for name, _ in order]
     for end in blocks(kinds):
@@ -899,17 +902,17 @@ def test_the_no_communication_steps_run_in_blocks_between_the_sessions():
     )
     assert [d for name, d in draws if name == "real"] == alone
     # nothing profiled: one block, after the last step
-    assert blocks(plan(5, 2, 0)) == [4]
+    assert blocks(step_kinds(5, 2, 0)) == [4]
 
 
 def test_the_work_check_pairs_each_session_with_the_block_after_it():
     """A machine that turns twice as fast after the first session and its block: each
     session's work is checked against the block run right after it, at the same speed,
     not against a median over the cell."""
-    from parabench.loop import TIMED, plan, sessions
+    from parabench.run.loop import TIMED, sessions, step_kinds
 
     spec = tiny_spec("ddp", 2, steps=10, warmup=2, profile_steps=6)
-    kinds = plan(spec.steps, spec.warmup, spec.profile_steps)
+    kinds = step_kinds(spec.steps, spec.warmup, spec.profile_steps)
     found = sessions(kinds)
     assert len(found) == 2
     slow = set(range(found[0][1][-1] + 1))  # up to the first session and its block

@@ -18,15 +18,15 @@ PACKAGE = Path(__file__).resolve().parents[1] / "workflow" / "parabench"
 # (module, function): why its write is not a results file written in place
 ALLOWED = {
     ("records.py", "atomic_write_files"): "the one writer: temporary files, then os.replace",
-    ("sweep.py", "_logged"): "a job's log, streamed while it runs",
-    ("profiling.py", "save"): "the trace: gzip into a temporary file, then a rename",
-    ("lock.py", "_write_whole"): "the lock's holder, into a file no reader names yet: a "
+    ("jobs/sweep.py", "_logged"): "a job's log, streamed while it runs",
+    ("run/profiling.py", "save"): "the trace: gzip into a temporary file, then a rename",
+    ("jobs/lock.py", "_write_whole"): "the lock's holder, into a file no reader names yet: a "
     "temporary one then link(2), or O_EXCL where link(2) is refused, removed if half-written",
-    ("lock.py", "_create"): "that O_EXCL holder file: created only if absent, removed if "
+    ("jobs/lock.py", "_create"): "that O_EXCL holder file: created only if absent, removed if "
     "half-written, and an unreadable holder is refused, never taken for a result",
     ("forkserver.py", "_child"): "a forked launch's stdout and stderr (file descriptors 1 "
     "and 2, its guard's pipe) as a new Python's: streams, not files",
-    ("lock.py", "_open"): "the lock file: created empty and opened read-write only because "
+    ("jobs/lock.py", "_open"): "the lock file: created empty and opened read-write only because "
     "flock over NFS is a write lock; nothing is written into it",
 }
 # Calls that write to the path or file they are given: where that target is among

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from conftest import GPT2, LLAMA, REPO, TINY_MLP, cell_argv, tiny_spec
-from parabench import cell, models
+from parabench import models
+from parabench.run import cell
 from parabench.spec import ModelSpec
 
 TESTS = Path(__file__).resolve().parent
@@ -102,7 +103,7 @@ COUNT_SCRIPT = """
 import json, sys
 from pathlib import Path
 import torch
-from parabench import cell
+from parabench.run import cell
 from parabench.spec import RunSpec
 
 spec = RunSpec.from_dict(json.loads(sys.argv[1]))

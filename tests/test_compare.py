@@ -8,7 +8,7 @@ import sys
 import pandas as pd
 import pytest
 
-from parabench.aggregate import aggregate
+from parabench.report.aggregate import aggregate
 from report_fixture import CELLS, make_results
 
 

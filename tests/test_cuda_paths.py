@@ -25,7 +25,7 @@ from torch import nn
 
 from conftest import REPO, cell_argv, tiny_config, tiny_spec
 from parabench.models import build
-from parabench.runtime import Context
+from parabench.process.runtime import Context
 from parabench.strategies import get
 
 TESTS = Path(__file__).resolve().parent
@@ -54,7 +54,8 @@ import torch
 import torch.distributed as dist
 sys.path.insert(0, {tests!r})
 from conftest import tiny_spec
-from parabench import cli, runtime
+from parabench import cli
+from parabench.process import runtime
 
 real_init = dist.init_process_group
 
@@ -142,7 +143,8 @@ AGENT_SCRIPT = """
 import os, sys
 import torch
 import torch._dynamo
-from parabench import cell, strategies
+from parabench import strategies
+from parabench.run import cell
 strategies.get("ddp")
 
 log, devices, argv = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
@@ -255,7 +257,8 @@ import json, os, sys
 from pathlib import Path
 import torch
 import torch.distributed as dist
-from parabench import cell, cli
+from parabench import cli
+from parabench.run import cell
 from parabench.spec import RunSpec
 
 torch.cuda.is_available = lambda: True
@@ -339,7 +342,8 @@ def cuda_host(monkeypatch):
     """A host whose torch sees one GPU, of the name `gemms.name` (an H100 SXM unless a
     test renames it): its name and memory, and the GEMM and copy rates fakerank measures,
     faked; `gemms` records each GEMM measured as (device type, precision, TF32 on)."""
-    from parabench import fakerank, peak
+    from parabench.predict import fakerank
+    from parabench.run import peak
 
     class Gemms(list):
         name = "NVIDIA H100 80GB HBM3"
@@ -381,7 +385,7 @@ def _tf32(on: bool) -> Iterator[None]:
 
 def test_this_machine_prices_a_cpu_run_on_the_cpu_where_torch_sees_a_gpu(cuda_host):
     from parabench import envinfo
-    from parabench.fakerank import this_machine
+    from parabench.predict.fakerank import this_machine
 
     got = this_machine("cpu", "fp32")
     # the cells ran on the CPU: its GEMM, its cores shared by the ranks, not the GPU's
@@ -396,7 +400,7 @@ def test_this_machine_prices_a_cpu_run_on_the_cpu_where_torch_sees_a_gpu(cuda_ho
 
 
 def test_this_machine_measures_the_gemm_in_the_runs_precision(cuda_host):
-    from parabench.fakerank import this_machine
+    from parabench.predict.fakerank import this_machine
 
     with _tf32(False):
         fp32 = this_machine("cuda", "fp32")
@@ -421,8 +425,8 @@ def test_this_machine_measures_the_gemm_in_the_runs_precision(cuda_host):
 
 
 def test_this_machine_on_a_cuda_run_without_a_gpu_says_so(monkeypatch):
-    from parabench.fakerank import this_machine
-    from parabench.gpus import GPUError
+    from parabench.hardware.gpus import GPUError
+    from parabench.predict.fakerank import this_machine
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(GPUError, match=r"advise\.gpu: this-machine .* device is cuda"):
@@ -447,8 +451,8 @@ def test_this_machine_on_a_cuda_run_without_a_gpu_says_so(monkeypatch):
     ],
 )
 def test_this_machine_knows_a_gpu_by_its_whole_name(cuda_host, name, peak):
-    from parabench import gpus
-    from parabench.fakerank import this_machine
+    from parabench.hardware import gpus
+    from parabench.predict.fakerank import this_machine
 
     cuda_host.name = name
     got = this_machine("cuda", "bf16")
@@ -469,8 +473,9 @@ def test_this_machine_knows_a_gpu_by_its_whole_name(cuda_host, name, peak):
 def test_auto_on_a_cuda_build_gets_the_doctors_gpu_checks(monkeypatch, tmp_path):
     # device: auto on a host whose torch is a CUDA build means the GPUs: the doctor
     # checks them (here it finds none, which a CUDA build with no GPU is), as for cuda.
-    from parabench import doctor, envinfo
+    from parabench import envinfo
     from parabench.config import checked
+    from parabench.preflight import doctor
 
     monkeypatch.setattr(envinfo, "_build", lambda: ("2.13.0", "12.8"))
     monkeypatch.setattr(doctor, "torch_build", lambda: ("2.13.0", "12.8"))

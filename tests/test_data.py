@@ -2,8 +2,8 @@
 
 import torch
 
-from parabench.data import LoaderBatches, Shard, SyntheticBatches
 from parabench.models import build
+from parabench.process.data import LoaderBatches, Shard, SyntheticBatches
 from parabench.spec import ModelSpec
 
 

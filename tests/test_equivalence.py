@@ -5,7 +5,7 @@ the workflow launches it. Same seed, same initial weights, same global batches.
 
 - fp32 + SGD: after 6 steps each strategy's parameters equal single's to float32
   rounding, max |Δ| <= 1e-6.
-- AdamW and bf16: the verdict the report gives (parabench.equivalence): the difference
+- AdamW and bf16: the verdict the report gives (parabench.analyze.equivalence): the difference
   relative to how far single's weights moved, within 25x the distance between single
   and single trained on the same batches in reversed sample order. Half the learning
   rate must fail that same check in every variant, or the check proves nothing.
@@ -22,7 +22,7 @@ from conftest import (
     run_cell,
     tiny_spec,
 )
-from parabench import equivalence
+from parabench.analyze import equivalence
 from parabench.spec import ModelSpec
 
 pytestmark = pytest.mark.slow
@@ -68,7 +68,7 @@ VARIANT_CASES = [(s, p, o) for p, o in VARIANTS for s in ("zero1", "fsdp", "tp")
 
 
 # A bf16 cell's peak FLOP/s given, not measured: no test here reads its MFU, and on a
-# CPU without bf16 units peak.py's bf16 GEMM takes ~5 s a matmul, ~25 s a rank.
+# CPU without bf16 units run/peak.py's bf16 GEMM takes ~5 s a matmul, ~25 s a rank.
 BF16_PEAK = {"peak_flops": 1e12}
 
 

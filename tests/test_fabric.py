@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from parabench import fabric
+from parabench.hardware import fabric
 
 NCCL_TESTS = Path(__file__).parent / "data" / "nccl-tests-all_reduce_perf-8xh100.txt"
 WORD = "x" * 200_000
@@ -76,7 +76,7 @@ def test_a_200k_character_row_is_refused_at_once_naming_its_line(tmp_path):
 def test_a_mesh_dimension_is_priced_on_the_links_its_group_spans():
     """tp innermost: at 64 GPUs with tp 8, a dp_shard group of 8 spans eight nodes and
     crosses the network; alone, a group of 8 is one node's NVLink."""
-    from parabench.scaling import layout_comm, spans
+    from parabench.predict.scaling import layout_comm, spans
 
     h100 = fabric.PROFILES["h100-nvlink-ndr400"]
     assert spans({"pp": 1, "dp_replicate": 1, "dp_shard": 8, "tp": 8}) == {

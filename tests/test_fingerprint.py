@@ -14,8 +14,9 @@ import pytest
 import torch
 
 from conftest import run_cell, tiny_spec
-from parabench import equivalence, fingerprint, records
-from parabench.aggregate import aggregate
+from parabench import records
+from parabench.analyze import equivalence, fingerprint
+from parabench.report.aggregate import aggregate
 from parabench.spec import ModelSpec
 from report_fixture import make_results
 
@@ -137,7 +138,7 @@ def test_the_squared_norm_is_unbiased_with_the_stated_spread_over_hashes(monkeyp
 def test_the_verdict_on_a_sketch_is_the_exact_one(times):
     """single moved by `travel`; its reordered run landed REORDER of that away; a cell
     `times` that distance away. Strategies that do the same maths land at 1.2-9.2x, half
-    the learning rate at 148x or more (equivalence.py): the sketch's verdict is the exact
+    the learning rate at 148x or more (analyze/equivalence.py): the sketch's verdict is the exact
     one at each, and at 24x and 26x, 4% either side of the tolerance."""
     initial, reference = weights(0), weights(1)
     travel = equivalence.l2_diff(reference, initial)

@@ -5,10 +5,10 @@ import torch
 from torch import nn
 
 from conftest import HF_INSTALLED, LLAMA
-from parabench.flops import block_flops, step_flops
 from parabench.models import build
 from parabench.models.base import Model
 from parabench.models.presets import features_batch
+from parabench.process.flops import block_flops, step_flops
 from parabench.spec import ModelSpec
 
 

@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from conftest import tiny_spec
-from parabench import ranks, strategies
-from parabench.runtime import Context
+from parabench import strategies
+from parabench.predict import rank_alone
+from parabench.process.runtime import Context
 
 
 def cuda_ctx(world: int, local_world: int) -> Context:
@@ -74,7 +75,7 @@ def test_rank_of_drives_cuda_0_and_is_not_skipped_with_one_gpu(monkeypatch):
         return "stopped by the test"
 
     monkeypatch.setattr(cls, "skip_reason", spy)
-    got = ranks.rank_of(tiny_spec("fsdp", 4, device="cuda"), threads=1, rank=3)
+    got = rank_alone.rank_of(tiny_spec("fsdp", 4, device="cuda"), threads=1, rank=3)
     assert got == {"status": "skipped", "reason": "stopped by the test"}
     assert seen["reason"] is None
     assert seen["device"] == torch.device("cuda", 0)
@@ -87,7 +88,10 @@ def test_rank_of_drives_cuda_0_and_is_not_skipped_with_one_gpu(monkeypatch):
 DROPPED_SCRIPT = """
 import json, sys, time, weakref
 from pathlib import Path
-from parabench import cell, profiling, runtime, strategies
+from parabench import strategies
+from parabench.run import cell
+from parabench.run import profiling
+from parabench.process import runtime
 from parabench.spec import RunSpec
 
 spec = RunSpec.from_dict(json.loads(sys.argv[1]))

@@ -18,7 +18,9 @@ import pandas as pd
 import pytest
 
 from conftest import unavailable
-from parabench import aggregate, anatomy, crosscheck
+from parabench.analyze import anatomy
+from parabench.predict import crosscheck
+from parabench.report import aggregate
 
 HTA_DATA = Path(__file__).parent / "data" / "hta"
 RANKS = (0, 1)

@@ -40,7 +40,7 @@ def test_a_transformers_model_keeps_its_own_blocks_plan_and_loss():
     # the count runs on eager attention and exceeds what counting the model itself sees
     from torch.utils.flop_counter import FlopCounterMode
 
-    from parabench.flops import step_flops
+    from parabench.process.flops import step_flops
 
     with FlopCounterMode(display=False) as seen:
         llama.module(x[:1]).sum().backward()
@@ -84,7 +84,9 @@ def test_the_default_run_never_imports_transformers():
     """What the default config's jobs import: planning, every strategy, the presets."""
     code = """
 import sys, yaml
-from parabench import cell, strategies, plan, models
+from parabench import strategies, models
+from parabench.run import cell
+from parabench.predict import plan
 from parabench.catalog import CATALOG
 from parabench.config import problems, cells
 config = yaml.safe_load(open("config/config.yaml"))

@@ -14,7 +14,7 @@ import pandas as pd
 import pytest
 
 from conftest import planned_outputs, snakemake, tiny_config, tiny_spec
-from parabench.launch import launch_command
+from parabench.jobs.launch import launch_command
 from parabench.spec import ModelSpec
 
 TINY_GPT = {

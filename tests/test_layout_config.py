@@ -130,7 +130,7 @@ def test_a_degree_of_the_wrong_type_is_named_not_a_crash():
 def test_the_memory_model_splits_by_the_degrees_that_split_each_part():
     import pandas as pd
 
-    from parabench.scaling import memory_model
+    from parabench.predict.scaling import memory_model
 
     def shares(strategy: str, devices: int) -> dict:
         row = pd.Series(
@@ -165,3 +165,29 @@ def test_a_stage_checkpoints_the_models_repeated_blocks_it_holds():
     chosen = checkpointing.apply(blocks, "full", within=blocks[:2])
     assert [type(b).__name__ for b in chosen] == ["Block"] and chosen[0] is blocks[1]
     assert checkpointing.count(blocks) == 1
+
+
+def test_a_layout_labels_itself_and_says_what_is_wrong_naming_the_key():
+    from parabench.layout import Layout
+
+    lay = Layout(dp_shard=32, tp=8, ac="full")
+    assert lay.label == "FSDP 32 × TP 8, SP, full AC" and lay.world == 256 and lay.dp == 32
+    assert lay.declared() == ("dp_shard", "tp")  # torchtitan's order, degree 1 left out
+    assert Layout(pp=8, dp_shard=8, tp=8, zero=2).label == "FSDP 8 × TP 8 × PP 8, SP, ZeRO-2, 1F1B"
+    assert Layout(dp_replicate=4, dp_shard=8).label == "HSDP 4×8"
+    assert Layout(dp_replicate=64).label == "DDP 64" and Layout().label == "one device"
+    # what its degrees make moot is normalised: DDP has no ZeRO level, no pipeline no schedule
+    assert Layout(dp_replicate=2, zero=3) == Layout(dp_replicate=2, zero=2)
+    assert Layout(dp_shard=2, schedule="gpipe") == Layout(dp_shard=2)
+    assert Layout(dp_shard=2, tp=2).stage == Layout(pp=2, dp_shard=2, tp=2, schedule="gpipe").stage
+    assert not Layout(dp_shard=4, tp=2).problems()
+    assert Layout(tp=0, ac="most", pp=2, schedule="zb").problems("advise.layout") == [
+        "advise.layout.tp: must be an integer >= 1, got 0",
+        "advise.layout.ac: must match none|full|selective|every[2-9], got 'most'",
+        "advise.layout.schedule: must be one of ['gpipe', '1f1b'], got 'zb'",
+    ]
+    # a record's declaration names the option at fault
+    rec = CATALOG["fsdp_tp"]
+    assert rec.layout.problem("fsdp_tp", 6, {"tp": 4}) == (
+        "options.fsdp_tp.tp (4) does not divide 6 devices"
+    )

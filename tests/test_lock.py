@@ -1,4 +1,4 @@
-"""The results directory's lock (parabench.lock): held once, released; a lock left by a
+"""The results directory's lock (parabench.jobs.lock): held once, released; a lock left by a
 killed run of this host is taken over, saying so; one from another host waits for
 `parabench unlock`, which refuses while its holder runs. test_one_writer.py runs it in
 real sweeps and Snakemake runs."""
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from parabench import lock
+from parabench.jobs import lock
 
 
 def dead_pid() -> int:
@@ -221,7 +221,7 @@ def test_an_acquire_that_fails_leaves_no_descriptor_and_no_flock(tmp_path, monke
 
 FORKED = """
 import os, sys, fcntl
-from parabench import lock
+from parabench.jobs import lock
 held = lock.acquire(sys.argv[1], "parent")
 child = os.fork()
 if child == 0:

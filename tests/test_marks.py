@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from parabench import marks
+from parabench.process import marks
 
 
 def _spin(seconds: float) -> None:

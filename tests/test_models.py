@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from parabench.config import checked, problems, skipped
-from parabench.flops import step_flops
 from parabench.models import PRESETS, build, facts
 from parabench.models.base import maths_notes
 from parabench.models.custom import tp_widths
+from parabench.process.flops import step_flops
 from parabench.spec import ModelSpec
 
 GPT = ModelSpec.of("gpt", vocab=256, seq_len=64, n_layer=4, n_head=4, d_model=64)

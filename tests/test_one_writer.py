@@ -18,7 +18,7 @@ import pytest
 import yaml
 
 from conftest import snakemake, tiny_config
-from parabench import lock
+from parabench.jobs import lock
 
 pytestmark = pytest.mark.slow
 
@@ -127,7 +127,7 @@ def test_no_hooks_still_takes_the_lock_and_runs_the_preflight(tmp_path):
     live: the run takes both all the same, refused beside a holder and by a failing
     check before any job, gives the lock back when it ends, and its dry run takes
     neither."""
-    from parabench import doctor
+    from parabench.preflight import doctor
 
     config = tiny_config(strategies=["single"], devices=[1])
     with lock.held(tmp_path / "results", "a sweep writing"):

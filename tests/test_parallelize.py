@@ -13,8 +13,8 @@ from __future__ import annotations
 import pytest
 
 from conftest import tiny_spec
-from parabench import fakerank
-from parabench.ranks import rank_of
+from parabench.predict import fakerank
+from parabench.predict.rank_alone import rank_of
 from parabench.spec import ModelSpec
 
 # The gpt preset's shape, small: sequence-parallel TP with the head split on the

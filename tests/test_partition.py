@@ -2,9 +2,9 @@ import itertools
 
 import pytest
 
-from parabench.flops import block_flops
 from parabench.models import build
-from parabench.partition import balanced_cuts
+from parabench.models.partition import balanced_cuts
+from parabench.process.flops import block_flops
 from parabench.spec import ModelSpec
 
 

@@ -13,8 +13,9 @@ import pytest
 import yaml
 
 from conftest import TINY_MLP, tiny_config, tiny_spec
-from parabench import fabric, published
+from parabench.hardware import fabric
 from parabench.models import build
+from parabench.predict import published
 
 # An 8-GPU all_reduce_perf run, in the layout nccl-tests prints (header, one `#  Rank`
 # line per rank, then size count type redop root and time algbw busbw #wrong out of
@@ -114,7 +115,7 @@ def _model_bytes() -> tuple[int, list]:
 
 
 def test_fsdp_at_64_holds_a_64th_of_the_model_within_padding():
-    from parabench.ranks import rank_of
+    from parabench.predict.rank_alone import rank_of
 
     got = rank_of(tiny_spec("fsdp", 64, scaling="weak"), threads=1)
     assert got["status"] == "ok", got
@@ -132,7 +133,7 @@ def test_fsdp_at_64_holds_a_64th_of_the_model_within_padding():
 
 
 def test_ddp_at_64_all_reduces_its_gradients_once_per_step():
-    from parabench.ranks import rank_of
+    from parabench.predict.rank_alone import rank_of
 
     got = rank_of(tiny_spec("ddp", 64, scaling="weak"), threads=1)
     total, _ = _model_bytes()
@@ -145,7 +146,7 @@ def test_a_rank_planned_after_others_has_the_peak_it_has_alone():
     # One process plans every rank; the profiler's running total of CPU bytes is the
     # process's and once grew by each earlier rank's gradients (DDP at N=8, 64, 1,024
     # measured 10.0, 13.5, 16.9 MB for the same per-rank work).
-    from parabench.ranks import rank_of
+    from parabench.predict.rank_alone import rank_of
 
     spec = tiny_spec("ddp", 8, scaling="weak")
     alone = rank_of(spec, threads=1)["peak_memory_bytes"]
@@ -267,7 +268,8 @@ def test_plan_keeps_advises_headroom_free_of_the_device():
     # a peak within the raw card but not within it less the tenth kept free for the
     # caching allocator's reserve, the CUDA context and NCCL's buffers: no fit, as advise
     # decides it (gpus.fits, one rule for both)
-    from parabench import gpus, plan
+    from parabench.hardware import gpus
+    from parabench.predict import plan
 
     card = 80 * 2**30
     row = {

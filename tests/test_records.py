@@ -189,7 +189,7 @@ def _error(rank: int, kind: str, message: str) -> dict:
     ],
 )
 def test_root_cause_names_the_first_failure(report, errors, expected):
-    from parabench import guard
+    from parabench.jobs import guard
 
     assert guard.root_cause(report, errors, 2) == expected
 

@@ -1,8 +1,8 @@
-"""The GPU run rehearsed on this CPU (rehearse.py): every cell through its own code on
+"""The GPU run rehearsed on this CPU (preflight/rehearse.py): every cell through its own code on
 fake CUDA tensors, at its real size, before anything is queued.
 
 Each rehearsal runs in a process of its own, as `parabench rehearse` does: on this
-CPU-only torch the fake CUDA device loads before torch (fakecuda.py)."""
+CPU-only torch the fake CUDA device loads before torch (preflight/fakecuda.py)."""
 
 from __future__ import annotations
 
@@ -19,10 +19,11 @@ import torch
 import yaml
 
 from conftest import REPO
-from parabench import doctor, envinfo, fakecuda
-from parabench import rehearse as rehearse_module
+from parabench import envinfo
 from parabench.config import checked
 from parabench.envinfo import torch_release
+from parabench.preflight import doctor, fakecuda
+from parabench.preflight import rehearse as rehearse_module
 
 # A residual MLP small enough to rehearse in a second, with layers outside its tensor-
 # parallel plan (its input projection and head): what CUDA's foreach default refuses.
@@ -109,9 +110,9 @@ def test_every_rank_runs_its_cells_code_on_its_own_cuda_device(tmp_path):
 FLAT_OPTIMIZER = """
 import json, sys
 from pathlib import Path
-from parabench import fakecuda
+from parabench.preflight import fakecuda
 fakecuda.install()
-from parabench import rehearse
+from parabench.preflight import rehearse
 from parabench.config import checked
 from parabench.strategies import base
 base.param_groups = lambda params: [{"params": list(params)}]
@@ -219,7 +220,7 @@ def test_each_rank_is_set_against_its_gpus_memory_at_the_real_size(tmp_path):
 
 
 def test_a_peak_is_judged_only_on_a_torch_whose_peaks_the_tests_check():
-    from parabench import gpus
+    from parabench.hardware import gpus
 
     judge, refused = rehearse_module.judge_fit, rehearse_module.refused
     h100 = gpus.resolve("h100")
@@ -286,7 +287,9 @@ def test_every_shipped_config_rehearses(tmp_path, path):
 # and as the rehearsal does (total_tracker_class: no module hooks): the same total.
 TRACKERS = """
 import json, sys
-from parabench import fakerank, gpus, rehearse
+from parabench.predict import fakerank
+from parabench.hardware import gpus
+from parabench.preflight import rehearse
 from parabench.config import cells, checked
 cfg = checked(json.loads(sys.argv[1]))
 got = {}
@@ -324,9 +327,9 @@ def test_the_rehearsals_total_peak_is_torchs_memtrackers(tmp_path):
 ONE_PROCESS = """
 import json, sys
 from pathlib import Path
-from parabench import fakecuda
+from parabench.preflight import fakecuda
 fakecuda.install()
-from parabench import rehearse
+from parabench.preflight import rehearse
 from parabench.config import checked
 rows = rehearse.run(checked(json.loads(sys.argv[1])), Path(sys.argv[2]), "h100", workers=1)
 print(json.dumps([(r["strategy"], r["rank"], r["status"], r["reason"]) for r in rows]))

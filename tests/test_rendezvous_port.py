@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from conftest import tiny_spec
-from parabench import launch
+from parabench.jobs import launch
 
 FAKE = Path(__file__).parent / "fake_slurm"
 

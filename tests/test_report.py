@@ -7,8 +7,8 @@ import pandas as pd
 import pytest
 
 from conftest import REPO
-from parabench.aggregate import aggregate
 from parabench.report import LABELS, render
+from parabench.report.aggregate import aggregate
 from report_fixture import CELLS, DDP_OFFSET, XSS, build_report, make_results
 
 
@@ -141,9 +141,9 @@ def test_a_table_an_earlier_run_left_shows_only_while_its_job_is_enabled(tmp_pat
     """plan.csv and advise.csv stay in results/ after plan.enabled and advise.enabled
     are turned off, and the report rule no longer asks for them: the report then shows
     neither, and writes no plot of the old plan; enabled, the same files are shown."""
-    from parabench.aggregate import aggregate
     from parabench.records import PLAN_COLUMNS, write_rows
     from parabench.report import render
+    from parabench.report.aggregate import aggregate
     from report_fixture import advise_results, make_results
 
     metas = make_results(tmp_path)

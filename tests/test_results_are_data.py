@@ -24,8 +24,8 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from conftest import LLAMA, REPO, run_cell, tiny_spec
 from parabench import models, records
-from parabench.aggregate import aggregate
-from parabench.flops import activation_bytes_per_sample, step_flops
+from parabench.process.flops import activation_bytes_per_sample, step_flops
+from parabench.report.aggregate import aggregate
 from parabench.spec import ModelSpec, RunSpec
 
 CAUSE = "BatchNorm1d at blocks.1.1 normalises over the samples one rank or micro-batch sees"
@@ -199,9 +199,9 @@ def test_counting_a_transformers_model_copies_no_weight_and_runs_nothing_for_rea
 
 
 def test_a_cell_records_what_the_merge_needs_of_its_model(tmp_path):
-    """The real cell: its record holds the model's figures, counted as flops.py counts
+    """The real cell: its record holds the model's figures, counted as process/flops.py counts
     them on the model the factory builds, and the merge reads them from there."""
-    from parabench.flops import model_facts
+    from parabench.process.flops import model_facts
 
     model = ModelSpec.of(
         "custom",

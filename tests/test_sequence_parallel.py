@@ -11,8 +11,8 @@ import functools
 
 import pytest
 
-from parabench import fakerank
 from parabench.layout import Layout
+from parabench.predict import fakerank
 from parabench.spec import ModelSpec
 
 # A large vocabulary beside narrow blocks: the head is most of the work, as in a 3B

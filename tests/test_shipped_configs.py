@@ -18,11 +18,12 @@ import pytest
 import yaml
 
 from conftest import REPO, TINY_ENTRY, pyproject, snakemake, tiny_config, tiny_spec
-from parabench import doctor, models
+from parabench import models
 from parabench.catalog import CATALOG
 from parabench.config import cells, checked, load_config, problems, skipped, with_devices
 from parabench.envinfo import torch_release
-from parabench.launch import cell_argv
+from parabench.jobs.launch import cell_argv
+from parabench.preflight import doctor
 from parabench.spec import ModelSpec, RunSpec
 
 SHIPPED = ["config/config.yaml", "config/gpu.yaml", "config/gpu-check.yaml"]
@@ -150,7 +151,7 @@ def test_doctor_passes_the_default_cpu_config():
 
 def test_the_gpu_sweep_writes_less_than_10_gib():
     """config/gpu.yaml's 370 cells, its resmlp of 541M parameters among them: each large
-    model's cell keeps a sketch of its parameters (fingerprint.py), not 2.2 GB of them."""
+    model's cell keeps a sketch of its parameters (analyze/fingerprint.py), not 2.2 GB of them."""
     need, unknown = doctor._results_bytes(load_config(REPO / "config/gpu.yaml"))
     assert unknown == [] and need < 10 * 2**30, f"{need / 2**30:.1f} GiB"
 
@@ -279,7 +280,7 @@ def test_the_gpu_check_ends_listing_the_cuda_paths_it_ran(tmp_path):
     """What one GPU ran and what needs more, read from the sweep's own tables."""
     import pandas as pd
 
-    from parabench.sweep import cuda_paths
+    from parabench.jobs.sweep import cuda_paths
 
     row = {"status": "ok", "device_type": "cuda", "precision": "bf16", "compile": False}
     agent = "python -m parabench.torchrun --standalone --nproc-per-node 1 -m parabench run"
@@ -327,8 +328,8 @@ def test_the_collectives_benchmark_at_one_rank_claims_no_bus_bandwidth(tmp_path)
     that cannot exist; the fabric and the figure leave them out."""
     import pandas as pd
 
-    from parabench.fabric import FabricError, from_curves
-    from parabench.launch import collectives_argv
+    from parabench.hardware.fabric import FabricError, from_curves
+    from parabench.jobs.launch import collectives_argv
 
     argv = collectives_argv(1, [4096, 65536], "cpu", 30, tmp_path, python=sys.executable)
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=120)

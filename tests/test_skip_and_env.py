@@ -14,7 +14,7 @@ import torch
 from conftest import tiny_spec
 from parabench import envinfo
 from parabench.checks import static_skip_reason
-from parabench.runtime import Context
+from parabench.process.runtime import Context
 from parabench.strategies import get
 
 

@@ -13,7 +13,7 @@ from parabench import catalog
 from parabench.checks import problems as spec_problems
 from parabench.cli import _parser
 from parabench.config import cells, checked, problems, skipped
-from parabench.launch import cell_argv
+from parabench.jobs.launch import cell_argv
 from parabench.spec import RunSpec, from_namespace
 
 
@@ -153,7 +153,7 @@ def test_planning_imports_no_torch():
     every preset must not import torch (two seconds per `snakemake -n`)."""
     code = (
         "import sys\n"
-        "from parabench import config, launch\n"
+        "from parabench import config\nfrom parabench.jobs import launch\n"
         "cfg = config.load_config('config/config.yaml')\n"
         "assert config.problems(cfg) == []\n"
         "for cell in config.cells(cfg):\n"

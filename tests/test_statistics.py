@@ -13,7 +13,7 @@ import torch
 
 from conftest import peak_memory_run
 from parabench import records
-from parabench import stats as st
+from parabench.analyze import stats as st
 from parabench.spec import ModelSpec, RunSpec
 
 GIB = 2**30

@@ -18,8 +18,9 @@ import pytest
 import yaml
 
 from conftest import snakemake, tiny_config
-from parabench import records, sweep
-from parabench.loop import PROFILED, plan
+from parabench import records
+from parabench.jobs import sweep
+from parabench.run.loop import PROFILED, step_kinds
 from report_fixture import make_results
 
 TINY = {"arch": "mlp", "dims": [48, 32, 24, 16, 8, 4, 1], "batch_size": 64}
@@ -134,7 +135,9 @@ def test_interrupted_sweep_resumes_without_rerunning_finished_cells(tmp_path, si
     for path, text in finished.items():  # nothing half-written was left as a result
         assert json.loads(text)["status"] == "ok", path
         rows = [
-            k for k in plan(BASE["steps"], BASE["warmup"], BASE["profile_steps"]) if k != PROFILED
+            k
+            for k in step_kinds(BASE["steps"], BASE["warmup"], BASE["profile_steps"])
+            if k != PROFILED
         ]
         assert (path.parent / "steps.csv").read_text().count("\n") == 1 + len(rows)
 

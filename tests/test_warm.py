@@ -1,4 +1,4 @@
-"""Warm starts (parabench.warm): a launch forked from a run's warm process is the cell a
+"""Warm starts (parabench.jobs.warm): a launch forked from a run's warm process is the cell a
 cold launch runs (the same losses), ends as a cold one does (exit codes, signals,
 timeouts, its guard killed), and one the warm process cannot stand for starts cold,
 saying why. Real `parabench launch`, real torchrun ranks, a real warm process."""
@@ -14,8 +14,8 @@ import time
 import pytest
 
 from conftest import launch_argv, tiny_spec
-from parabench import warm
-from parabench.launch import cell_argv
+from parabench.jobs import warm
+from parabench.jobs.launch import cell_argv
 
 
 @pytest.fixture(scope="module")
@@ -147,14 +147,14 @@ def test_a_launch_torch_would_import_differently_starts_cold_and_says_why(tmp_pa
 
 def test_a_jobs_own_command_runs_warm_with_its_exit_code_and_goes_when_stopped(tmp_path, warm_env):
     """A job whose command imports torch itself (advise) starts it through `python -m
-    parabench.warm`: forked from the warm process, its exit status the job's; the job
+    parabench.jobs.warm`: forked from the warm process, its exit status the job's; the job
     stopped (Snakemake's SIGTERM), the command goes too."""
     # `python` as the rules name it: the PATH's, this one (make test's PATH)
     path = f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}"
     warm_env = {**warm_env, "PATH": path}
     advise = ["python", "-m", "parabench", "advise", "--gpus", "x", "--out", str(tmp_path)]
     bad = subprocess.run(
-        [sys.executable, "-m", "parabench.warm", *advise],
+        [sys.executable, "-m", "parabench.jobs.warm", *advise],
         capture_output=True,
         text=True,
         timeout=120,
@@ -165,7 +165,7 @@ def test_a_jobs_own_command_runs_warm_with_its_exit_code_and_goes_when_stopped(t
     assert "argument --gpus: invalid int value: 'x'" in bad.stderr
     out = tmp_path / "cell"
     job = subprocess.Popen(
-        [sys.executable, "-m", "parabench.warm", *cell_argv(tiny_spec("single", 1), out)],
+        [sys.executable, "-m", "parabench.jobs.warm", *cell_argv(tiny_spec("single", 1), out)],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,

@@ -9,7 +9,7 @@ import pandas as pd
 import pytest
 
 from conftest import planned_outputs, snakemake
-from parabench.loop import plan
+from parabench.run.loop import step_kinds
 
 pytestmark = pytest.mark.slow
 
@@ -65,7 +65,7 @@ def test_speedup_recomputed_from_raw_steps_matches_summary(run):
         assert summary.loc[key, "efficiency"] == pytest.approx(speedup / key[1], rel=1e-9)
     # warm-up rows (the leading ones, and one after each profiler session but the last)
     # are kept in steps.csv but excluded from every statistic
-    kinds = plan(CONFIG["steps"], CONFIG["warmup"], CONFIG["profile_steps"])
+    kinds = step_kinds(CONFIG["steps"], CONFIG["warmup"], CONFIG["profile_steps"])
     assert kinds.count("warmup") == CONFIG["warmup"] + 1
     assert (steps["phase"] == "warmup").sum() == len(t) * kinds.count("warmup")
 

@@ -4,7 +4,7 @@
 # CI: docs/design/mutation.md has the figures, each survivor judged, and the command.
 #
 #   tools/mutation.sh                                  the pass
-#   tools/mutation.sh 'parabench.stats.x_verdict__*'   only these mutants (mutmut's names)
+#   tools/mutation.sh 'parabench.analyze.stats.x_verdict__*'   only these mutants (mutmut's names)
 #
 # Needs mutmut 3 in the venv: .venv/bin/python -m pip install 'mutmut>=3.8,<4'.
 # mutmut names a mutant by its file's path less a leading src/, and the tests import
@@ -18,20 +18,20 @@ repo=$(cd "$(dirname "$0")/.." && pwd)
 python=${PYTHON:-$repo/.venv/bin/python}
 stage=${MUTATION_DIR:-${TMPDIR:-/tmp}/parabench-mutation}
 
-# The functions mutated. advise.py and gpus.py only where they price a step: the
+# The functions mutated. predict/advise.py and hardware/gpus.py only where they price a step: the
 # search, the table and the CLI around them are not the pass's subject.
 targets=(
-    'parabench.anatomy.*'
-    'parabench.equivalence.*'
-    'parabench.stats.*'
-    'parabench.advise.x_predict__*'
-    'parabench.advise.x_binding__*'
-    'parabench.advise.x_in_flight__*'
-    'parabench.advise.x_stage_blocks__*'
-    'parabench.advise.x__largest_fit__*'
-    'parabench.gpus.xǁGPUǁop_time__*'
-    'parabench.gpus.x_usable__*'
-    'parabench.gpus.x_fits__*'
+    'parabench.analyze.anatomy.*'
+    'parabench.analyze.equivalence.*'
+    'parabench.analyze.stats.*'
+    'parabench.predict.advise.x_predict__*'
+    'parabench.predict.advise.x_binding__*'
+    'parabench.predict.advise.x_in_flight__*'
+    'parabench.predict.advise.x_stage_blocks__*'
+    'parabench.predict.advise.x__largest_fit__*'
+    'parabench.hardware.gpus.xǁGPUǁop_time__*'
+    'parabench.hardware.gpus.x_usable__*'
+    'parabench.hardware.gpus.x_fits__*'
 )
 tests=(
     -m 'not slow'
@@ -63,8 +63,9 @@ cp -r "$repo/tests" "$stage/"
     echo '[tool.mutmut]'
     echo 'source_paths = ["src/parabench"]'
     echo 'also_copy = ["src/schemas"]'
-    echo 'only_mutate = ["src/parabench/anatomy.py", "src/parabench/equivalence.py",'
-    echo '    "src/parabench/stats.py", "src/parabench/advise.py", "src/parabench/gpus.py"]'
+    echo 'only_mutate = ["src/parabench/analyze/anatomy.py", "src/parabench/analyze/equivalence.py",'
+    echo '    "src/parabench/analyze/stats.py", "src/parabench/predict/advise.py",'
+    echo '    "src/parabench/hardware/gpus.py"]'
     printf 'pytest_add_cli_args_test_selection = ['
     printf '"%s", ' "${tests[@]}"
     echo ']'

@@ -89,7 +89,7 @@ class StrategyRecord:
     sends: str = "gradients"
     # Gradients rounded to this many significant bits before they are averaged
     # (a compression hook): the maths differs from single's by that rounding, and the
-    # equivalence tolerance is derived from it (equivalence.py). None: not rounded.
+    # equivalence tolerance is derived from it (analyze/equivalence.py). None: not rounded.
     gradient_bits: int | None = None
     options: dict[str, Option] = field(default_factory=dict)
     # Its place on the named mesh, declared (its degrees settled per cell by
@@ -125,7 +125,7 @@ class StrategyRecord:
         """Whether the cell's code runs in a process group (DDP at one rank does too)."""
         return self.launch == RANK_PER_DEVICE or (self.launch == RANKS_IF_MANY and devices > 1)
 
-    def ranks(self, devices: int) -> int:
+    def processes(self, devices: int) -> int:
         """The processes a cell at `devices` starts: more than one means torchrun (and
         the only way across nodes). One rank needs no rendezvous: it starts as a plain
         process with an in-memory store, the same code path without the agent's two

@@ -23,7 +23,7 @@ MAX_CPU_DEVICES = 64
 
 def problems(spec: RunSpec, launching: bool = True) -> list[str]:
     """Every broken rule, each naming the key at fault. Empty means valid. `launching`
-    False: a rank planned at a world size (plan.py), whose other ranks never start."""
+    False: a rank planned at a world size (predict/plan.py), whose other ranks never start."""
     out = _settings(spec, launching)
     if out:
         return out
@@ -124,7 +124,7 @@ def static_skip_reason(spec: RunSpec) -> str | None:
             f"{rec.label} needs {spec.devices} CUDA devices; on CPU it silently runs "
             "a single copy, so no honest multi-device number exists"
         )
-    if spec.nodes > 1 and spec.ranks == 1:
+    if spec.nodes > 1 and spec.processes == 1:
         return (
             f"{spec.strategy} runs in one process, which cannot span nodes: "
             f"{spec.devices} devices > gpus_per_node ({spec.gpus_per_node})"

@@ -235,12 +235,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"parabench: invalid cell: {e}", file=sys.stderr)
             return 2
         if args.command == "launch":
-            from parabench.launch import launch_cell
+            from parabench.jobs.launch import launch_cell
 
             return launch_cell(spec, args.out, args.cell_timeout_s)
         return _run(spec, args.out)
     if args.command == "launch-collectives":
-        from parabench.launch import launch_collectives
+        from parabench.jobs.launch import launch_collectives
 
         return launch_collectives(
             args.devices,
@@ -251,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
             args.cell_timeout_s,
         )
     if args.command == "collectives":
-        from parabench.collectives import run as run_collectives
+        from parabench.run.collectives import run as run_collectives
 
         return run_collectives(
             args.devices, args.message_bytes, args.device, args.timeout_s, args.out
@@ -269,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "rehearse":
         return _rehearse(args)
     if args.command == "sweep":
-        from parabench.sweep import main as sweep
+        from parabench.jobs.sweep import main as sweep
 
         return sweep(
             args.config, args.results, args.devices, args.force, args.dry_run, args.retry_failed
@@ -283,8 +283,8 @@ def main(argv: list[str] | None = None) -> int:
         render(args.results, templates, load_config(args.config_json), args.out, args.plots_dir)
         return 0
     if args.command == "aggregate":
-        from parabench.aggregate import aggregate
         from parabench.records import ResultsError
+        from parabench.report.aggregate import aggregate
 
         try:
             aggregate(
@@ -316,7 +316,7 @@ def preload(argv: list[str]) -> None:
     if args.command == "run":
         import torch._dynamo  # noqa: F401
 
-        from parabench import cell, strategies  # noqa: F401
+        from parabench import strategies
         from parabench.catalog import CATALOG
 
         if args.strategy in CATALOG:
@@ -341,19 +341,18 @@ def _run(spec: specs.RunSpec, out: Path) -> int:
         print("parabench: invalid cell: " + "; ".join(problems), file=sys.stderr)
         return 2
     if reason := checks.static_skip_reason(spec):
-        from parabench.launch import record_skip
+        from parabench.jobs.launch import record_skip
 
         record_skip(spec, out, reason)
         return 0
-    from parabench.cell import run_cell
+    from parabench.run.cell import run_cell
 
     return run_cell(spec, out)
 
 
 def _compare(args: argparse.Namespace) -> int:
-    from parabench import compare
     from parabench.records import atomic_write_bytes
-    from parabench.report import TEMPLATES
+    from parabench.report import TEMPLATES, compare
 
     csv_out = args.csv or args.out.with_suffix(".csv")
     try:  # before anything is read or written
@@ -386,8 +385,8 @@ def _config(args: argparse.Namespace) -> dict:
 
 
 def _doctor(args: argparse.Namespace) -> int:
-    from parabench import doctor
     from parabench.config import ConfigError, load_config
+    from parabench.preflight import doctor
 
     try:
         if not args.config and not args.config_json:
@@ -424,14 +423,14 @@ def _on_fatal_signal() -> None:
 
 
 def _rehearse(args: argparse.Namespace) -> int:
-    """The rehearsal (rehearse.py): 0 when every cell can run, 1 when some cannot, 2 when
+    """The rehearsal (preflight/rehearse.py): 0 when every cell can run, 1 when some cannot, 2 when
     it could not rehearse at all."""
     import json
 
     import yaml
 
-    from parabench import fakecuda
     from parabench.config import ConfigError
+    from parabench.preflight import fakecuda
 
     try:  # the fake CUDA device loads before anything imports torch (a factory may)
         raw = json.loads(args.config_json) if args.config_json else None
@@ -444,7 +443,7 @@ def _rehearse(args: argparse.Namespace) -> int:
     except (ConfigError, OSError, fakecuda.Unavailable) as e:
         print(f"parabench rehearse: {e}", file=sys.stderr)
         return 2
-    from parabench import rehearse
+    from parabench.preflight import rehearse
 
     out = args.out or Path(config["results"])
     out.mkdir(parents=True, exist_ok=True)
@@ -458,7 +457,7 @@ def _rehearse(args: argparse.Namespace) -> int:
 
 
 def _unlock(results: Path) -> int:
-    from parabench.lock import LockHeld, unlock
+    from parabench.jobs.lock import LockHeld, unlock
 
     try:
         print(f"parabench unlock: {unlock(results)}")
@@ -477,11 +476,11 @@ def _ranks(args: argparse.Namespace) -> int:
         print(f"parabench ranks: {e}", file=sys.stderr)
         return 2
     if not args.measure:  # the guard: always a row per rank, whatever the child does
-        from parabench.launch import launch_ranks
+        from parabench.jobs.launch import launch_ranks
 
         return launch_ranks(config, args.out, args.part)
     _on_fatal_signal()  # a rank killed in native code: where Python was, in the log
-    from parabench.ranks import run_ranks
+    from parabench.predict.rank_alone import run_ranks
 
     run_ranks(config, args.out, args.part)
     return 0
@@ -503,7 +502,7 @@ def _plan(args: argparse.Namespace) -> int:
     import pandas as pd
 
     from parabench.config import ConfigError, plan_problems
-    from parabench.fabric import FabricError, resolve
+    from parabench.hardware.fabric import FabricError, resolve
 
     try:
         config = _config(args)
@@ -523,7 +522,7 @@ def _plan(args: argparse.Namespace) -> int:
         print(f"parabench plan: {e}", file=sys.stderr)
         return 2
     if not args.measure:  # the guard: always a row per planned rank, whatever the child does
-        from parabench.launch import launch_plan
+        from parabench.jobs.launch import launch_plan
 
         fields = {"scaling": config["plan"]["scaling"], "fabric": fabric.name}
         fields["fabric_source"] = fabric.source
@@ -531,7 +530,7 @@ def _plan(args: argparse.Namespace) -> int:
         print(f"plan: {args.out / 'plan.csv'} (fabric {fabric.name})")
         return 0
     _on_fatal_signal()  # a rank killed in native code: where Python was, in the log
-    from parabench.plan import run_plan
+    from parabench.predict.plan import run_plan
 
     run_plan(config, fabric, args.out)
     return 0
@@ -539,9 +538,9 @@ def _plan(args: argparse.Namespace) -> int:
 
 def _advise(args: argparse.Namespace) -> int:
     from parabench.config import ConfigError, advise_problems
-    from parabench.fabric import FabricError, resolve
-    from parabench.gpus import THIS_MACHINE, GPUError
-    from parabench.gpus import resolve as resolve_gpu
+    from parabench.hardware.fabric import FabricError, resolve
+    from parabench.hardware.gpus import THIS_MACHINE, GPUError
+    from parabench.hardware.gpus import resolve as resolve_gpu
 
     try:
         config = _config(args)
@@ -567,7 +566,7 @@ def _advise(args: argparse.Namespace) -> int:
             curves = pd.read_csv(path)
         fabric = resolve(adv["fabric"], curves)
         if adv["gpu"] == THIS_MACHINE:
-            from parabench.fakerank import this_machine
+            from parabench.predict.fakerank import this_machine
 
             # the device the cells run on (`device`), in the precision advise prices
             gpu = this_machine(config["device"], adv["precision"])
@@ -576,7 +575,7 @@ def _advise(args: argparse.Namespace) -> int:
     except (ConfigError, FabricError, GPUError, OSError) as e:
         print(f"parabench advise: {e}", file=sys.stderr)
         return 2
-    from parabench import advise
+    from parabench.predict import advise
 
     args.out.mkdir(parents=True, exist_ok=True)
     from parabench import envinfo

@@ -19,7 +19,7 @@ import yaml
 
 from parabench import checks
 from parabench.catalog import CATALOG, STRATEGIES, default_strategies, device_counts
-from parabench.fabric import PROFILES
+from parabench.hardware.fabric import PROFILES
 from parabench.spec import ModelSpec, RunSpec
 
 SCHEMA = Path(__file__).resolve().parents[1] / "schemas" / "config.schema.yaml"
@@ -254,12 +254,12 @@ def _multi_rank(config: dict) -> list[RunSpec]:
     return [
         s
         for s in (cell.spec for cell in cells(config))
-        if s.repeat == 0 and s.ranks > 1 and s.nodes == 1 and not checks.static_skip_reason(s)
+        if s.repeat == 0 and s.processes > 1 and s.nodes == 1 and not checks.static_skip_reason(s)
     ]
 
 
 def alone_ranks(config: dict) -> list[tuple[RunSpec, int]]:
-    """(spec, rank) of every rank the scaling model measures alone (ranks.py): rank 0
+    """(spec, rank) of every rank the scaling model measures alone (predict/rank_alone.py): rank 0
     of each multi-rank cell, every rank of a pipeline's (its slowest stage sets the
     pace). Cells across nodes have no curves to predict with: none."""
     out = []
@@ -524,7 +524,7 @@ def advise_problems(config: dict, workdir: Path | None = None) -> list[str]:
     adv = config.get("advise") or {}
     if not adv.get("enabled"):
         return []
-    from parabench.gpus import NAMES, problem
+    from parabench.hardware.gpus import NAMES, problem
 
     out = []
     for m in adv.get("models") or []:
@@ -543,7 +543,7 @@ def advise_problems(config: dict, workdir: Path | None = None) -> list[str]:
 
 def rehearse_problems(config: dict, workdir: Path | None = None) -> list[str]:
     """rehearse.gpu: a GPU profile or a readable profile file (not this host)."""
-    from parabench.gpus import PROFILES, THIS_MACHINE, problem
+    from parabench.hardware.gpus import PROFILES, THIS_MACHINE, problem
 
     gpu = (config.get("rehearse") or {}).get("gpu", "h100")
     if gpu in PROFILES:

@@ -79,7 +79,7 @@ def launch_command() -> list[str]:
         except OSError:
             return list(getattr(sys, "orig_argv", sys.argv))
         argv = [a.decode() for a in raw.split(b"\0") if a]
-        # an agent forked warm shows its command as one quoted title (parabench.warm)
+        # an agent forked warm shows its command as one quoted title (parabench.jobs.warm)
         return shlex.split(argv[0]) if len(argv) == 1 else argv
     return list(getattr(sys, "orig_argv", sys.argv))
 
@@ -142,7 +142,7 @@ def base() -> dict:
         "slurm_oversubscribe": slurm_sharing(),
         "git_commit": git_commit(),
         "launch_command": launch_command(),
-        # forked from the run's warm process, or started as a new Python (parabench.warm)
+        # forked from the run's warm process, or started as a new Python (parabench.jobs.warm)
         "started": os.environ.get(STARTED, "cold"),
         "start_time": datetime.now(timezone.utc).isoformat(timespec="seconds"),
     }

@@ -1,9 +1,9 @@
 """`python -m parabench.forkserver NAME [MODEL_TYPE...]`: a run's warm process (see
-parabench.warm), with transformers and these model types' classes imported where given.
+parabench.jobs.warm), with transformers and these model types' classes imported where given.
 
 It listens first, so a launch that comes while it imports waits for it instead of
 starting cold; imports torch and what a cell's processes and torchrun's agent import;
-then forks each launch that asks (parabench.warm.spawn) into the process it asked for,
+then forks each launch that asks (parabench.jobs.warm.spawn) into the process it asked for,
 and sends its pid, then its exit status. It stays one thread and never starts CUDA,
 which is what makes a fork safe (parabench.torchrun says why); if its imports broke
 either, it refuses every launch, which then starts cold.
@@ -31,7 +31,8 @@ import traceback
 
 import setproctitle
 
-from parabench import envinfo, warm
+from parabench import envinfo
+from parabench.jobs import warm
 
 
 def _preload(hf_types: list[str]) -> str | None:
@@ -40,7 +41,7 @@ def _preload(hf_types: list[str]) -> str | None:
     import torch
     import torch._dynamo  # every torch.optim constructor imports it
 
-    from parabench import cell, collectives, strategies, torchrun  # noqa: F401
+    from parabench import strategies, torchrun  # noqa: F401
     from parabench.catalog import CATALOG
 
     for name in CATALOG:

@@ -21,7 +21,7 @@ SCHEMA_VERSION = 5
 # Version 3, before activation checkpointing joined a cell's key: read as `ac: none`
 # (what those cells ran), so a finished result survives the upgrade; its settings hash
 # is unchanged too (RunSpec leaves `ac` out of it when none). Version 4, before a large
-# model's params.pt became its fingerprint (fingerprint.py): the same records; their
+# model's params.pt became its fingerprint (analyze/fingerprint.py): the same records; their
 # params.pt, every model's parameters whole, is read where it is what version 5 keeps
 # (at most fingerprint.EXACT_MAX elements) and refused, naming it, where it is not.
 ALSO_READ = {3: {"ac": "none"}, 4: {}}
@@ -66,7 +66,7 @@ STEP_COLUMNS: dict[str, str] = {
 META_KEYS = ("schema_version", "status", "reason", *CELL_KEYS)
 
 
-# ranks.csv (ranks.py): one row per rank measured alone, what the scaling model reads
+# ranks.csv (predict/rank_alone.py): one row per rank measured alone, what the scaling model reads
 RANK_KEY = (*VARIANT_KEYS, "ac", "strategy", "devices", "rank")
 RANK_COLUMNS = (
     *RANK_KEY,
@@ -89,7 +89,7 @@ RANK_COLUMNS = (
 )
 
 
-# rehearsal.csv (rehearse.py): one row per rank of a cell rehearsed on fake tensors;
+# rehearsal.csv (preflight/rehearse.py): one row per rank of a cell rehearsed on fake tensors;
 # docs/results.md defines each column.
 REHEARSAL_KEY = RANK_KEY
 REHEARSAL_COLUMNS = (
@@ -110,7 +110,7 @@ REHEARSAL_COLUMNS = (
 )
 
 
-# plan.csv (plan.py): one row per planned rank, rank 0 of a world of N
+# plan.csv (predict/plan.py): one row per planned rank, rank 0 of a world of N
 PLAN_KEY = (*VARIANT_KEYS, "ac", "strategy", "world_size")
 PLAN_COLUMNS = (
     *PLAN_KEY,
@@ -140,7 +140,7 @@ PLAN_COLUMNS = (
     "fabric_source",
 )
 
-# results/advise.csv (advise.py): one row per candidate layout; docs/results.md
+# results/advise.csv (predict/advise.py): one row per candidate layout; docs/results.md
 # defines each column.
 ADVISE_COLUMNS = (
     "model",
@@ -444,7 +444,7 @@ SUMMARY_COLUMNS: dict[str, str] = {
     "grads_bytes": "gradient bytes held by the fullest rank between steps",
     "optimizer_bytes": "optimizer-state bytes held by the fullest rank between steps",
     "max_abs_param_diff": "largest |parameter - single's| after the run, over repeats (over "
-    "a sample of 2^20 where the model has more than 2^22 parameters: fingerprint.py)",
+    "a sample of 2^20 where the model has more than 2^22 parameters: analyze/fingerprint.py)",
     "rel_param_diff": "‖params - single's‖ / ‖single's - initial‖, max over repeats (from "
     "count sketches, within 1.4%, where the model has more than 2^22 parameters)",
     "equivalence_tol": "rel_param_diff allowed: 25 x single's reversed-order distance",

@@ -144,19 +144,19 @@ class RunSpec:
         return record(self.strategy)
 
     @property
-    def ranks(self) -> int:
+    def processes(self) -> int:
         """Processes the cell starts; more than one means torchrun."""
-        return self.record.ranks(self.devices)
+        return self.record.processes(self.devices)
 
     @property
     def torchrun(self) -> bool:
-        """Whether the cell's processes start under torchrun (launch.py): several ranks,
+        """Whether the cell's processes start under torchrun (jobs/launch.py): several ranks,
         or on CUDA the one rank of a distributed strategy at one device, so that one GPU
         runs the launch path n GPUs run (the agent, a forked rank, an NCCL group bound
         to its device); `auto` is CUDA where torch is a CUDA build (it finds the GPUs).
         On the CPU one rank starts as a plain process (in-memory store), sparing the
         agent's two seconds."""
-        return self.ranks > 1 or (
+        return self.processes > 1 or (
             runs_on_cuda(self.device) and self.record.process_group(self.devices)
         )
 
@@ -165,7 +165,7 @@ class RunSpec:
         each drives (all n of a one-process strategy such as dp or model_parallel, one
         for a rank), since local rank r drives cuda:r. Every process of a host counts
         the same, so they decide together."""
-        return self.devices // self.ranks * local_world
+        return self.devices // self.processes * local_world
 
     @property
     def layout(self) -> Layout:

@@ -1,4 +1,4 @@
-# Which layout to run on N GPUs (parabench.advise): every layout that applies, one rank
+# Which layout to run on N GPUs (parabench.predict.advise): every layout that applies, one rank
 # of each measured on fake tensors, its step predicted. One job, never beside a timed
 # cell (it measures this host when advise.gpu is this-machine, and takes a core).
 ADVISE = config["advise"]
@@ -10,11 +10,11 @@ rule advise:
         # ancient: rewritten by every aggregate; the curves' settings are in `measures`
         collectives=ancient(f"{RESULTS}/collectives.csv") if ADVISE_CURVES else [],
     output:
-        advise=report(f"{RESULTS}/advise.csv", caption="../report/advise.rst", category="Tables"),
+        advise=report(f"{RESULTS}/advise.csv", caption="../captions/advise.rst", category="Tables"),
         torchtitan=(
             report(
                 f"{RESULTS}/advise-torchtitan.csv",
-                caption="../report/advise.rst",
+                caption="../captions/advise.rst",
                 category="Tables",
             )
             if ADVISE["torchtitan"]

@@ -11,10 +11,12 @@ rule aggregate:
     output:
         steps=f"{RESULTS}/steps.csv",
         collectives=report(
-            f"{RESULTS}/collectives.csv", caption="../report/collectives.rst", category="Tables"
+            f"{RESULTS}/collectives.csv", caption="../captions/collectives.rst", category="Tables"
         ),
         cells=f"{RESULTS}/cells.csv",
-        summary=report(f"{RESULTS}/summary.csv", caption="../report/summary.rst", category="Tables"),
+        summary=report(
+            f"{RESULTS}/summary.csv", caption="../captions/summary.rst", category="Tables"
+        ),
     log:
         f"{RESULTS}/logs/aggregate.log",
     conda:
@@ -23,10 +25,10 @@ rule aggregate:
         ranks=lambda wc, input: f"--ranks {shlex.quote(input.ranks)}" if RANKS else "",
         # per cell, in input.meta's order: a record of other settings is refused
         hashes=[cell.spec.config_hash() for cell in CELLS.values()],
-    # through parabench.warm: aggregate imports torch (the parameter files), so it is
+    # through parabench.jobs.warm: aggregate imports torch (the parameter files), so it is
     # forked from the run's warm process where there is one
     shell:
-        "python -m parabench.warm python -m parabench aggregate "
+        "python -m parabench.jobs.warm python -m parabench aggregate "
         "--meta {input.meta:q} --steps-out {output.steps:q} "
         "--cells-out {output.cells:q} --summary-out {output.summary:q} "
         "--collectives {input.collectives:q} --collectives-out {output.collectives:q} "

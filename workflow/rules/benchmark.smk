@@ -35,7 +35,7 @@ rule benchmark:
         "{params.launch} > {log:q} 2>&1"
 
 
-# What the interconnect carries at n ranks (see parabench.collectives), for the
+# What the interconnect carries at n ranks (see parabench.run.collectives), for the
 # scaling model: one job per multi-rank device count.
 rule collectives:
     output:

@@ -25,9 +25,11 @@ from parabench.config import (
     skipped,
     slurm_jobs,
 )
-from parabench import doctor, lock, warm
+from parabench.preflight import doctor
+from parabench.jobs import lock
+from parabench.jobs import warm
 from parabench.config import advise_measures, measures, planned_specs
-from parabench.launch import (
+from parabench.jobs.launch import (
     advise_command,
     collectives_settings,
     launch_collectives_command,
@@ -84,7 +86,7 @@ def _spec(wc):
 
 
 def launch(wc, output):
-    """The cell's `parabench launch` command (launch.py decides how its ranks start),
+    """The cell's `parabench launch` command (jobs/launch.py decides how its ranks start),
     shell-quoted: config values never reach the shell unquoted."""
     out = Path(output.meta).parent
     return shlex.join(launch_command(_spec(wc), out, config["cell_timeout_s"]))
@@ -175,7 +177,7 @@ def plan_launch(wc, input, output):
 COLLECTIVES_SETTINGS = collectives_settings(collective_bytes(config), config["device"])
 
 
-# One writer per results directory (parabench.lock): the run holds its lock from onstart
+# One writer per results directory (parabench.jobs.lock): the run holds its lock from onstart
 # (the Snakefile's) to onsuccess or onerror, in the main process, for every job of the
 # run wherever it runs. Snakemake's own lock covers its working directory, not a
 # `parabench sweep` beside it, nor another run with another --directory.
@@ -198,7 +200,7 @@ def release_results_lock():
 
 
 def preflight(executor=None):
-    """The doctor's checks for this run (parabench.doctor), a log line each, in a process
+    """The doctor's checks for this run (parabench.preflight.doctor), a log line each, in a process
     of its own with the jobs' python (`python` on PATH, as the rules start it): their
     torch is what counts, and any CUDA context the checks open ends with it.
     `executor`: the run's executor plugin (default the workflow's, once it runs).
@@ -224,7 +226,7 @@ def run_held(execute):
     which do both otherwise: the run's settings are known here (Snakemake sets them
     before it calls this), and so is its executor (a dry run's takes neither). In the
     main process only: a cluster job's parse runs no workflow of its own. A run whose
-    jobs run here has a warm process for their launches (parabench.warm), importing
+    jobs run here has a warm process for their launches (parabench.jobs.warm), importing
     torch while the preflight runs; a cluster's jobs start on other hosts, without."""
 
     def run(*args, **kwargs):

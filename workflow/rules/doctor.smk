@@ -1,4 +1,4 @@
-# The preflight (parabench.doctor): before the first job, whether this environment can
+# The preflight (parabench.preflight.doctor): before the first job, whether this environment can
 # run this config, one line per check. A local run checks everything here, where its
 # cells run; a Slurm run checks the planning host (torch build, compiler, account and
 # partition, disk) and leaves the GPU checks to the GPU node, where
@@ -9,7 +9,7 @@
 # `snakemake -n` plans any config on any host.
 import json
 
-from parabench import doctor
+from parabench.preflight import doctor
 
 
 rule doctor:

@@ -1,4 +1,4 @@
-# What each strategy would cost at world sizes beyond this machine (parabench.plan): one
+# What each strategy would cost at world sizes beyond this machine (parabench.predict.plan): one
 # job, rank after rank, timed like a cell (never beside one). Predicted on the fabric
 # plan.fabric names; `curves` reads this sweep's collectives benchmark.
 PLAN = config["plan"]
@@ -10,7 +10,7 @@ rule plan:
         # ancient: rewritten by every aggregate; what the curves hold is in `measures`
         collectives=ancient(f"{RESULTS}/collectives.csv") if PLAN_CURVES else [],
     output:
-        plan=report(f"{RESULTS}/plan.csv", caption="../report/plan.rst", category="Tables"),
+        plan=report(f"{RESULTS}/plan.csv", caption="../captions/plan.rst", category="Tables"),
     log:
         f"{RESULTS}/logs/plan.log",
     conda:

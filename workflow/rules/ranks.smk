@@ -1,4 +1,4 @@
-# One rank of every multi-process cell, alone (parabench.ranks): what the scaling model
+# One rank of every multi-process cell, alone (parabench.predict.rank_alone): what the scaling model
 # predicts the cells from. Rank after rank, timed like a cell (never beside one), each
 # rank within rank_timeout_s; none when no cell runs several ranks. One job (one process
 # for them all, as a local run always has) while their limits fit in max_job_minutes;

@@ -21,13 +21,13 @@ rule report:
     output:
         html=report(
             f"{RESULTS}/report.html",
-            caption="../report/report.rst",
+            caption="../captions/report.rst",
             category="Report",
         ),
         plots=report(
             directory(f"{RESULTS}/plots"),
             patterns=["{name}.png"],
-            caption="../report/plots.rst",
+            caption="../captions/plots.rst",
             category="Plots",
         ),
     log:

@@ -51,7 +51,7 @@ class Model:
     block_names: tuple[str, ...] = ()
     # Given a copy of `module`, the same maths in ops FlopCounterMode can all count,
     # where the model's own has one it cannot (transformers' sdpa attention on CPU):
-    # flops.py, stages.trace.
+    # process/flops.py, stages.trace.
     for_counting: Callable[[nn.Module], nn.Module] | None = None
 
     def __post_init__(self) -> None:

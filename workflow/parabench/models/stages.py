@@ -138,7 +138,7 @@ def _light_copy(module: nn.Module) -> nn.Module:
 
 
 def _counting(model: Model, module: nn.Module) -> nn.Module:
-    # The counting copy (flops.py) has the same names and maths, and its FLOPs count.
+    # The counting copy (process/flops.py) has the same names and maths, and its FLOPs count.
     return model.for_counting(module) if model.for_counting else module
 
 

@@ -19,10 +19,11 @@ import jinja2
 import numpy as np
 import yaml
 
-from parabench import equivalence, fingerprint, scaling
+from parabench.analyze import equivalence, fingerprint
 from parabench.catalog import CATALOG, LABELS, STRATEGIES
-from parabench.fabric import PROFILES
-from parabench.published import torchtitan_check
+from parabench.hardware.fabric import PROFILES
+from parabench.predict import scaling
+from parabench.predict.published import torchtitan_check
 from parabench.report.advice import advice
 from parabench.report.answers import answers
 from parabench.report.figures import plots

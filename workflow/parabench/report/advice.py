@@ -9,8 +9,8 @@ import math
 import pandas as pd
 
 from parabench.catalog import record
+from parabench.predict.scaling import layout_of
 from parabench.report.loading import rows
-from parabench.scaling import layout_of
 
 # The one-dimensional strategies that are a layout of advise's as they stand: DDP over
 # dp_replicate, FSDP2 over dp_shard, TP over tp (and every layout record).
@@ -78,7 +78,7 @@ def _sections(adv: pd.DataFrame) -> list[dict]:
         fits = ok[ok["fits"].astype(str).str.lower() == "true"].sort_values("step_s")
         usable = None
         if len(ok):
-            from parabench.gpus import usable as usable_bytes
+            from parabench.hardware.gpus import usable as usable_bytes
 
             usable = usable_bytes(float(ok["device_memory_bytes"].iloc[0]))
         # one row per layout, checkpointing and micro-batch: a pipeline's two schedules
@@ -194,7 +194,7 @@ def ranking(adv: pd.DataFrame, summary: pd.DataFrame) -> list[dict]:
 
 
 def _options(row) -> dict:
-    from parabench.scaling import options
+    from parabench.predict.scaling import options
 
     return options(row)
 

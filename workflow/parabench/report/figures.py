@@ -14,7 +14,7 @@ import numpy as np
 import pandas as pd
 import seaborn as sns
 
-from parabench import stats
+from parabench.analyze import stats
 from parabench.catalog import STRATEGIES
 from parabench.report.loading import Results
 

@@ -8,7 +8,7 @@ import re
 
 import pandas as pd
 
-from parabench import stats
+from parabench.analyze import stats
 from parabench.catalog import LABELS
 from parabench.ops import OPS
 from parabench.report.loading import row_anchor

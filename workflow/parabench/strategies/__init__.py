@@ -12,7 +12,7 @@ import torch
 
 from parabench.catalog import record
 from parabench.models.base import Model
-from parabench.runtime import Context
+from parabench.process.runtime import Context
 from parabench.spec import RunSpec
 from parabench.strategies import checkpointing
 from parabench.strategies.base import Strategy

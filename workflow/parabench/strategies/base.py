@@ -2,7 +2,7 @@
 
 A strategy prepares the model its way (wrap, cut, place), runs one optimizer step on
 its part of a global batch, and hands back the full parameters for the equivalence
-check. It never times anything: the measurement loop (loop.py) does, once for all.
+check. It never times anything: the measurement loop (run/loop.py) does, once for all.
 
 What every strategy shares is defined here, once: the optimizer (SGD or AdamW) and bf16
 autocast around the forward with the loss in fp32. torch.compile is applied per block
@@ -21,13 +21,13 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
-from parabench.data import Shard
-from parabench.flops import block_flops
-from parabench.marks import BACKWARD, FORWARD, OPTIMIZER, region
 from parabench.models.base import Model
+from parabench.models.partition import balanced_cuts
 from parabench.models.stages import Trace
-from parabench.partition import balanced_cuts
-from parabench.runtime import Context
+from parabench.process.data import Shard
+from parabench.process.flops import block_flops
+from parabench.process.marks import BACKWARD, FORWARD, OPTIMIZER, region
+from parabench.process.runtime import Context
 from parabench.spec import RunSpec
 
 
@@ -48,7 +48,7 @@ class Strategy(ABC):
         """Why this cell cannot give an honest number on this machine, or None."""
         if ctx.device.type != "cuda":
             return None
-        # a rank measured alone (ranks.py, plan.py) is its host's one process
+        # a rank measured alone (predict/rank_alone.py, predict/plan.py) is its host's one process
         need, have = spec.cuda_devices_per_host(ctx.local_world), torch.cuda.device_count()
         if have < need:
             return (
@@ -192,7 +192,7 @@ def train_step(
     split_loss: bool = False,
 ) -> torch.Tensor:
     """Plain forward, backward, update: the baseline every strategy is measured against.
-    Its regions (marks.py) are what the anatomy reads. With `split_loss`, the loss and
+    Its regions (process/marks.py) are what the anatomy reads. With `split_loss`, the loss and
     its backward run under torch's loss_parallel (logits split over the vocabulary:
     tp.loss_parallel); the loss returned is this rank's plain tensor either way."""
     split = loss_parallel if split_loss else contextlib.nullcontext

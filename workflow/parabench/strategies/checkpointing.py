@@ -14,7 +14,7 @@ model's, where torch's `checkpoint_wrapper` would put `_checkpoint_wrapped_modul
 into each. Non-reentrant checkpointing, as torchtitan uses: it composes with FSDP2,
 DTensor and torch.compile, and leaves the maths bitwise as it was.
 
-The recompute runs inside backward in a RECOMPUTE region (marks.py), so the anatomy
+The recompute runs inside backward in a RECOMPUTE region (process/marks.py), so the anatomy
 measures what it costs (`recompute_s`, a share of compute). Autograd marks the forward
 it replays by a graph task, which is how a block tells a recompute from its forward.
 """
@@ -33,7 +33,7 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
-from parabench.marks import RECOMPUTE, region
+from parabench.process.marks import RECOMPUTE, region
 
 
 def repeated(blocks: list[nn.Module]) -> list[nn.Module]:
@@ -84,7 +84,7 @@ _replaying = threading.local()
 
 def recomputing() -> bool:
     """Whether this thread is inside a checkpointed block's recompute (what advise's
-    op counter books apart: fakerank.py)."""
+    op counter books apart: predict/fakerank.py)."""
     return getattr(_replaying, "depth", 0) > 0
 
 

@@ -8,9 +8,9 @@ from __future__ import annotations
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from parabench.data import Shard
 from parabench.models.base import Model
-from parabench.runtime import Context
+from parabench.process.data import Shard
+from parabench.process.runtime import Context
 from parabench.spec import RunSpec
 from parabench.strategies.base import Strategy, cpu_params, make_optimizer, train_step
 

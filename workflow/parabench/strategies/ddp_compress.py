@@ -7,7 +7,7 @@ cannot sum bf16; gloo can, so on CPU the same function is registered under a nam
 our own.
 Half the bytes of DDP cross the interconnect; in exchange each averaged gradient is
 rounded to bf16's 8 significant bits, so the maths differs from single's by that
-rounding (the tolerance is derived from it: equivalence.py, the record's
+rounding (the tolerance is derived from it: analyze/equivalence.py, the record's
 `gradient_bits`). Parameters, optimizer state and the forward stay fp32.
 """
 
@@ -16,7 +16,7 @@ from __future__ import annotations
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
 
 from parabench.models.base import Model
-from parabench.runtime import Context
+from parabench.process.runtime import Context
 from parabench.spec import RunSpec
 from parabench.strategies.ddp import DistributedDataParallel
 

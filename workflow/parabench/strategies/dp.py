@@ -19,7 +19,7 @@ from torch import nn
 
 from parabench.checks import static_skip_reason
 from parabench.models.base import Model
-from parabench.runtime import Context
+from parabench.process.runtime import Context
 from parabench.spec import RunSpec
 from parabench.strategies.base import (
     Strategy,

@@ -8,7 +8,7 @@ averaged), so the optimizer steps on the local shard only. reshard_after_forward
 frees the gathered parameters after forward and gathers them again in backward (ZeRO-3);
 False keeps them from forward to backward (ZeRO-2-like: less communication, more memory).
 
-Each all-gather and reduce-scatter is called inside a `launch` region (marks.py): on
+Each all-gather and reduce-scatter is called inside a `launch` region (process/marks.py): on
 gloo the calls take the main thread 2-3 ms a step on its core (default mlp, 2 ranks),
 which is communication's cost. The no-communication group's calls still copy into
 their outputs (1.1-1.7 ms a step here, measured the same way), and step_nocomm_s
@@ -20,10 +20,10 @@ from __future__ import annotations
 import torch
 from torch.distributed.fsdp import fully_shard
 
-from parabench import marks
-from parabench.data import Shard
 from parabench.models.base import Model
-from parabench.runtime import Context
+from parabench.process import marks
+from parabench.process.data import Shard
+from parabench.process.runtime import Context
 from parabench.spec import RunSpec
 from parabench.strategies.base import Strategy, full_params, make_optimizer, train_step
 

@@ -11,10 +11,10 @@ import contextlib
 
 import torch
 
-from parabench.data import Shard
-from parabench.marks import BACKWARD, FORWARD, OPTIMIZER, region
 from parabench.models.base import Model
-from parabench.runtime import Context
+from parabench.process.data import Shard
+from parabench.process.marks import BACKWARD, FORWARD, OPTIMIZER, region
+from parabench.process.runtime import Context
 from parabench.spec import RunSpec
 from parabench.strategies.base import Strategy, cpu_params, make_optimizer
 from parabench.strategies.ddp import wrap_ddp

@@ -20,9 +20,9 @@ import contextlib
 
 import torch
 
-from parabench.data import Shard
 from parabench.models.base import Model
-from parabench.runtime import Context
+from parabench.process.data import Shard
+from parabench.process.runtime import Context
 from parabench.spec import RunSpec
 from parabench.strategies.base import (
     Strategy,
@@ -57,7 +57,7 @@ class Composed(Strategy):
             micro=micro,
         )
         if layout.dp_shard > 1:
-            mark_launches(par.root)  # FSDP's collectives inside LAUNCH regions (marks.py)
+            mark_launches(par.root)  # FSDP's collectives inside LAUNCH regions (process/marks.py)
         self.par = par
         self.module, self.root = par.part, par.root  # its parameters, named as in the model
         self.opt = make_optimizer(par.part.parameters(), spec)

@@ -14,7 +14,7 @@ import torch
 
 from parabench.models import stages
 from parabench.models.base import Model
-from parabench.runtime import Context
+from parabench.process.runtime import Context
 from parabench.spec import RunSpec
 from parabench.strategies.base import (
     Strategy,

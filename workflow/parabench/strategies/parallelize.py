@@ -2,7 +2,7 @@
 
 A benchmark cell of every layout (strategies/layout.py), the rehearsal of the GPU run
 (which runs those cells on fake CUDA tensors) and advise's fake-tensor rank
-(fakerank.py) all call `parallelize`, so a cell and advise's price of the same layout
+(predict/fakerank.py) all call `parallelize`, so a cell and advise's price of the same layout
 run the same code:
 
 1. pipeline split (pp > 1): this rank's stage (its blocks), and the stage's example
@@ -40,7 +40,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 from parabench.layout import Layout
 from parabench.models import stages
 from parabench.models.base import Model
-from parabench.runtime import NamedMesh
+from parabench.process.runtime import NamedMesh
 from parabench.strategies import checkpointing
 from parabench.strategies.base import stage_cuts
 from parabench.strategies.tp import plan_for, sequence_parallel, styles

@@ -25,10 +25,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-from parabench.marks import OPTIMIZER, SCHEDULE, region
 from parabench.models import stages
 from parabench.models.base import Model
-from parabench.runtime import Context
+from parabench.process.marks import OPTIMIZER, SCHEDULE, region
+from parabench.process.runtime import Context
 from parabench.spec import RunSpec
 from parabench.strategies.base import (
     Strategy,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from parabench.models.base import Model
-from parabench.runtime import Context
+from parabench.process.runtime import Context
 from parabench.spec import RunSpec
 from parabench.strategies.base import Strategy, cpu_params, make_optimizer, train_step
 

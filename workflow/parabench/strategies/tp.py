@@ -36,7 +36,7 @@ from torch.distributed.tensor.parallel import (
 
 from parabench.layout import Layout
 from parabench.models.base import Model
-from parabench.runtime import Context
+from parabench.process.runtime import Context
 from parabench.spec import RunSpec
 from parabench.strategies.base import Strategy, full_params, make_optimizer, train_step
 

@@ -1,0 +1,2 @@
+"""The devices and links advise and the plan price: accelerator profiles and fabrics.
+Torch-free."""

@@ -1,0 +1,261 @@
+"""A fabric: what one collective of S bytes costs at N ranks, for planning past the
+devices at hand (predict/plan.py). Torch-free.
+
+Every source speaks nccl-tests' bus bandwidth: busbw = algbw x the op's factor (ops.py:
+2(N-1)/N for all-reduce, (N-1)/N for all-gather and reduce-scatter, 1 for point to
+point), the figure nccl-tests defines to reflect the links' speed whatever the op and
+the rank count. One call of `op` then takes
+
+    t(op, N, S) = latency + S x factor(op, N) / busbw(S)
+
+Three sources, each named with where its numbers come from:
+- `curves`: this machine's collectives benchmark (collectives.csv). At a measured rank
+  count the measured time itself; beyond it, the largest measured count's busbw.
+- an nccl-tests output file: the text `all_reduce_perf` (or any `*_perf`) prints, as it
+  stands: its out-of-place busbw per size (each row's time, latency included).
+- a named profile (PROFILES): two levels, within a node and across nodes, from
+  published figures, for N beyond one node.
+
+What none of them models: latency growing with N (a ring's 2(N-1) steps; NCCL switches
+to trees and NVLS at scale), and contention between jobs. At the message sizes training
+sends (megabytes and up) bandwidth dominates.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from parabench.ops import OPS
+
+if TYPE_CHECKING:  # numpy and pandas stay out of planning a workflow (config imports us)
+    import pandas as pd
+
+
+class FabricError(ValueError):
+    """A fabric that cannot be used, with why (and where, for a file)."""
+
+
+def factor(op: str, n: int) -> float:
+    """nccl-tests' bus factor of `op` at n ranks (ops.py: 1 for point to point)."""
+    return OPS[op].bus_factor(n)
+
+
+@dataclass(frozen=True)
+class BusbwTable:
+    """busbw by message size (log-log between sizes, flat beyond them), and a latency."""
+
+    sizes: tuple[float, ...]
+    busbw: tuple[float, ...]  # bytes/s
+    latency_s: float
+
+    def at(self, nbytes: float) -> float:
+        """busbw at `nbytes`: log-log between the sizes, flat beyond them."""
+        s = self.sizes
+        if nbytes <= s[0]:
+            return self.busbw[0]
+        if nbytes >= s[-1]:
+            return self.busbw[-1]
+        i = bisect.bisect_right(s, nbytes)
+        f = math.log(nbytes / s[i - 1]) / math.log(s[i] / s[i - 1])
+        return math.exp((1 - f) * math.log(self.busbw[i - 1]) + f * math.log(self.busbw[i]))
+
+    def time(self, op: str, n: int, nbytes: float) -> float:
+        if n < 2 or not nbytes:
+            return 0.0
+        size = max(nbytes, self.sizes[0])  # below the smallest size: its time (latency)
+        return self.latency_s + size * factor(op, n) / self.at(size)
+
+
+@dataclass(frozen=True)
+class Fabric:
+    """A source of collective times: `time(op, n, nbytes)` seconds per call."""
+
+    name: str
+    source: str  # where the numbers come from, for the report
+    tables: dict  # level or (op curve, n) -> BusbwTable
+    gpus_per_node: int = 0  # two-level profiles: ranks within a node
+
+    def time(self, op: str, n: int, nbytes: float, span: int | None = None) -> float:
+        """Seconds of one call of `op` over `n` ranks; `span`: the consecutive ranks
+        the group covers (n, unless a mesh dimension inside it spreads it: tp 8 inside
+        puts a dp group of 8 on eight nodes), which decides a two-level profile's level."""
+        if n < 2 or not nbytes:
+            return 0.0
+        if self.gpus_per_node:
+            span = span or n
+            if span <= self.gpus_per_node:
+                return self.tables["intra"].time(op, n, nbytes)
+            # The inter-node level is a whole node's: every GPU's NIC carries its share.
+            # A group with fewer ranks per node (one, with tp 8 inside) drives only its
+            # own ranks' NICs: that share of the bandwidth.
+            per_node = min(self.gpus_per_node, max(1, n // math.ceil(span / self.gpus_per_node)))
+            t = self.tables["inter"]
+            share = per_node / self.gpus_per_node
+            if share < 1:
+                t = BusbwTable(t.sizes, tuple(b * share for b in t.busbw), t.latency_s)
+            return t.time(op, n, nbytes)
+        if "any" in self.tables:  # one table for every op (nccl-tests)
+            return self.tables["any"].time(op, n, nbytes)
+        curve = OPS[op].curve if op in OPS else "send_recv"
+        counts = sorted(k[1] for k in self.tables if k[0] == curve)
+        if not counts:
+            return float("nan")
+        # the measured count itself, or the largest one below n (else the smallest)
+        below = [c for c in counts if c <= n]
+        return self.tables[(curve, below[-1] if below else counts[0])].time(op, n, nbytes)
+
+
+def from_curves(curves: pd.DataFrame, label: str = "this machine") -> Fabric:
+    """The collectives benchmark's curves (collectives.csv's columns), those between
+    ranks: a one-rank benchmark (one GPU's NCCL path) moves nothing between devices."""
+    if not curves.empty:
+        curves = curves[curves["devices"] > 1]
+    if curves.empty:
+        raise FabricError("no collective curves were measured (collectives.csv is empty)")
+    tables = {}
+    for (op, n), c in curves.groupby(["op", "devices"]):
+        c = c.sort_values("bytes")
+        busbw = [float(b) * 1e9 for b in c["busbw_GBps"]]
+        if min(busbw) <= 0:
+            continue
+        # the measured times at this n, exactly: latency folded into busbw, none added
+        sizes = tuple(float(b) for b in c["bytes"])
+        tables[(op, int(n))] = BusbwTable(sizes, tuple(busbw), 0.0)
+    if not tables:
+        raise FabricError("collectives.csv has no curve with a positive bus bandwidth")
+    backend = ", ".join(sorted({str(b) for b in curves["backend"]})) if "backend" in curves else "?"
+    counts = sorted({int(n) for n in curves["devices"]})
+    return Fabric(
+        "curves",
+        f"{label}'s collectives benchmark ({backend}, measured at n = "
+        f"{', '.join(map(str, counts))}; beyond {counts[-1]} its busbw, held constant)",
+        tables,
+    )
+
+
+_ROW = re.compile(r"^\s*\d+\s+\d+\s+\S+\s+\S+\s+-?\d+\s")
+_RANK = re.compile(r"^#\s+Rank\s+\d+")
+# The test's name, e.g. all_reduce_perf: a word ending in _perf. It starts where a word
+# starts (the lookbehind) and ends at its first _perf (lazy), so the search is linear in
+# the line: a greedy `(\w+)_perf` retries every start inside a long word, its square.
+_TEST = re.compile(r"(?<!\w)(\w+?)_perf")
+# nccl-tests' lines are under 200 characters; a longer one is read only this far.
+MAX_LINE = 4096
+
+
+def _lines(path: Path):
+    """(number, text, whole) of each line of a file, read in pieces of at most
+    MAX_LINE characters: `text` is the line's first MAX_LINE characters, `whole` whether
+    that is all of it. The rest of a longer line is read and dropped, so a file costs
+    its length once, in time and never in memory, whatever its lines."""
+    with open(path, errors="replace") as f:
+        for number, head in enumerate(iter(lambda: f.readline(MAX_LINE), ""), 1):
+            whole = head.endswith("\n") or len(head) < MAX_LINE
+            tail = head
+            while not tail.endswith("\n") and len(tail) == MAX_LINE:
+                tail = f.readline(MAX_LINE)
+            yield number, head.rstrip("\r\n"), whole
+
+
+def parse_nccl_tests(path: Path) -> Fabric:
+    """An nccl-tests output file (the text `all_reduce_perf -b 8 -e 8G -f 2` prints).
+    Its rows are `size count type redop root time algbw busbw #wrong` out of place,
+    then the same in place; the ranks are its `#  Rank` lines. Refused, with the line,
+    when a row does not read, a busbw is not positive, or a size repeats. Read line by
+    line in time linear in the file's size, whatever its content (`_lines`)."""
+    ranks, test = 0, None
+    sizes, busbw = [], []
+    for i, line, whole in _lines(path):
+        if test is None and (found := _TEST.search(line)):
+            test = found.group(1)
+        if line.lstrip().startswith("#"):
+            ranks += bool(_RANK.match(line))
+            continue
+        if not line.strip() or "NCCL INFO" in line:
+            continue
+        if not whole or not _ROW.match(line):
+            raise FabricError(
+                f"{path}:{i}: not an nccl-tests result row (size count type redop root "
+                f"time algbw busbw #wrong ...): {line.strip()[:80]!r}"
+            )
+        cols = line.split()
+        try:
+            size, bw = int(cols[0]), float(cols[7])
+            float(cols[5])  # the time: a row whose time is not a number is not a row
+        except (ValueError, IndexError):
+            raise FabricError(f"{path}:{i}: size, time or busbw is not a number") from None
+        if sizes and size <= sizes[-1]:
+            raise FabricError(f"{path}:{i}: size {size} after {sizes[-1]}: sizes must grow")
+        if bw > 0:  # the smallest sizes round to 0.00 GB/s: their time still counts
+            sizes.append(size)
+            busbw.append(bw * 1e9)
+    if len(sizes) < 2:
+        raise FabricError(
+            f"{path}: fewer than two result rows with a positive busbw: not the output of "
+            "an nccl-tests *_perf run (e.g. all_reduce_perf -b 8 -e 1G -f 2)"
+        )
+    if ranks < 2:
+        raise FabricError(
+            f"{path}: {ranks} '#  Rank' line(s): a bandwidth needs at least two ranks "
+            "(nccl-tests lists each under '# Using devices')"
+        )
+    what = f"{test}_perf" if test else "nccl-tests"
+    return Fabric(
+        "nccl-tests",
+        f"{Path(path).name}: {what} at {ranks} ranks, busbw {min(busbw) / 1e9:.1f} to "
+        f"{max(busbw) / 1e9:.1f} GB/s",
+        # latency is in every row's time already (busbw = size x factor / time): none added
+        {"any": BusbwTable(tuple(sizes), tuple(busbw), 0.0)},
+    )
+
+
+def level(busbw_gbps: float, latency_us: float) -> BusbwTable:
+    """One level of a profile: a bus bandwidth (GB/s) at every size, and a latency."""
+    return BusbwTable((1.0, 2.0), (busbw_gbps * 1e9,) * 2, latency_us * 1e-6)
+
+
+# Named profiles: two levels, each from published figures (the sources say which).
+PROFILES: dict[str, Fabric] = {
+    "h100-nvlink-ndr400": Fabric(
+        "h100-nvlink-ndr400",
+        "8x H100 SXM per node over NVLink 4, nodes over InfiniBand NDR 400 Gb/s per GPU: "
+        "busbw 460 GB/s within a node (nccl-tests all_reduce_perf on 8x H100 SXM5: "
+        "460-480 GB/s at large sizes), 400 GB/s across nodes for a group of whole nodes "
+        "(eight NICs of 400 Gb/s = 50 GB/s each; H100 SXM with NVLink and IB NDR: "
+        "400-450 GB/s), a group with k ranks per node k x 50 GB/s; latency 15 and 30 us "
+        "(approximate)",
+        {"intra": level(460, 15), "inter": level(400, 30)},
+        gpus_per_node=8,
+    ),
+    "a100-nvlink-hdr200": Fabric(
+        "a100-nvlink-hdr200",
+        "8x A100 SXM4 per node over NVLink 3, nodes over InfiniBand HDR 200 Gb/s per GPU: "
+        "busbw 230 GB/s within a node (nccl-tests: 230-250 GB/s), 185 GB/s across nodes "
+        "(about 8 x 25 GB/s less protocol overhead; a group with k ranks per node k/8 of it), "
+        "latency 15 and 30 us (approximate)",
+        {"intra": level(230, 15), "inter": level(185, 30)},
+        gpus_per_node=8,
+    ),
+}
+
+
+def resolve(name_or_file: str, curves: pd.DataFrame | None = None) -> Fabric:
+    """`curves`, a profile's name, or an nccl-tests output file."""
+    if name_or_file == "curves":
+        if curves is None:
+            raise FabricError("fabric 'curves' needs the collectives benchmark's curves")
+        return from_curves(curves)
+    if name_or_file in PROFILES:
+        return PROFILES[name_or_file]
+    path = Path(name_or_file)
+    if path.is_file():
+        return parse_nccl_tests(path)
+    raise FabricError(
+        f"fabric {name_or_file!r}: neither 'curves', a named profile "
+        f"({', '.join(PROFILES)}) nor an nccl-tests output file"
+    )

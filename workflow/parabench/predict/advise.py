@@ -1,0 +1,746 @@
+"""`parabench advise`: which layout to run for a model on N GPUs, whether it fits, and
+how fast it would go, answered on a laptop.
+
+For each model and each N, every layout that applies is a candidate (`candidates`):
+
+- the factorisations of N into pp x dp_replicate x dp_shard x tp (layout.MESH_DIMS,
+  torchtitan's order), with tp within a node and splitting the model's widths, pp no
+  more than its repeated blocks (and at most MAX_PP), and data parallelism as FSDP
+  (dp_shard), HSDP (a node's worth of shards, replicated across nodes) or DDP;
+- for a pipeline, its schedule (1F1B or GPipe); for FSDP, ZeRO-3 (reshard after
+  forward) or ZeRO-2 (keep the gathered parameters to backward; a pipeline always);
+- activation checkpointing none, selective or full;
+- the micro-batch and the accumulation (or a pipeline's micro-batches) that reach the
+  global batch.
+
+Each is then, and says which:
+
+- **measured, memory**: one rank of it under fake tensors (predict/fakerank.py): its peak by
+  torch's memory tracker, in its dtypes, at a few depths extended to its stage's
+  blocks. A pipeline's first stage holds the activations of its micro-batches in
+  flight (1F1B: up to pp; GPipe: all), one micro-batch's measured, the rest added;
+- **counted**: its ops' FLOPs and bytes, its collectives' bytes per mesh dimension;
+- **predicted, time**: compute, each op at the GPU's roofline (hardware/gpus.py); communication
+  per mesh dimension at the fabric's time at its span (hardware/fabric.py, scaling.layout_comm),
+  none of it hidden, as the validated scaling model assumes (so an upper bound where
+  FSDP prefetches or DDP overlaps); a pipeline's bubble, (pp - 1)/m of its compute, as
+  scaling.bubble_time. Then tokens per second per GPU and MFU.
+
+The search (`search`) measures what decides and infers the rest, each inferred row
+naming the measurement that decided it. Measurements are shared across N (a rank's
+shape does not depend on N), and layouts are searched in worker processes side by side.
+
+results/advise.csv holds every candidate (columns: docs/results.md), the recommended
+one ranked 1: the fastest that fits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import math
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+from parabench.hardware import gpus
+from parabench.hardware.fabric import Fabric
+from parabench.hardware.gpus import GPU
+from parabench.layout import Layout
+from parabench.predict.scaling import layout_comm
+from parabench.records import ADVISE_COLUMNS, write_rows
+from parabench.spec import ModelSpec
+
+MAX_PP = 16  # deeper pipelines need global batches beyond what training runs use
+MICRO_CAP = 16  # samples per micro-batch tried, at most
+AC_ORDER = ("none", "selective", "full")
+SCHEDULES = ("1f1b", "gpipe")
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """One way to run model `model` on `gpus` GPUs: a layout, and the micro-batch and
+    accumulation that make up each data-parallel rank's share of the global batch."""
+
+    model: str
+    gpus: int
+    layout: Layout
+    micro: int  # samples per micro-batch
+    accumulation: int  # micro-batches per step on a data-parallel rank
+
+    def replace(self, **changes) -> Candidate:
+        return dataclasses.replace(self, **changes)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _powers_of_two(n: int) -> list[int]:
+    return [d for d in _divisors(n) if d & (d - 1) == 0]
+
+
+def candidates(
+    name: str, facts, n: int, gpus_per_node: int, global_batch: int, depth: int | None
+) -> Iterator[Candidate | tuple[Candidate | Layout, str, str]]:
+    """Every candidate layout at n GPUs; one that cannot run, or need not be measured,
+    as (it, or its Layout alone; why; its status) instead. A pipeline's stages each hold at
+    least one of the model's `depth` repeated blocks (None: a model whose stage advise
+    cannot build, so no pipeline)."""
+    for tp in _divisors(min(n, gpus_per_node)):
+        if n % tp:
+            continue
+        if tp > 1 and (facts.tp_skip or not facts.has_tp_plan or facts.tp_problem(tp)):
+            continue  # the model cannot split that way: not a layout of it
+        for pp in _divisors(n // tp):
+            if pp > 1 and (not depth or facts.cut_skip or pp > depth or pp > MAX_PP):
+                continue
+            dp = n // (tp * pp)
+            if global_batch % dp:
+                yield (
+                    Layout(pp=pp, dp_shard=dp, tp=tp),
+                    f"the global batch of {global_batch} does not split over {dp} "
+                    "data-parallel ranks",
+                    "skipped",
+                )
+                continue
+            local = global_batch // dp
+            in_node = max(1, gpus_per_node // tp)
+            modes = [(1, dp)] if dp > 1 else [(1, 1)]
+            if dp > 1:
+                modes.append((dp, 1))  # DDP
+                # HSDP: a node's worth of shards, replicated across nodes (torchtitan's
+                # use); within one node, half the ranks' worth
+                k = in_node if dp > in_node else dp // 2
+                if 1 < k < dp and dp % k == 0:
+                    modes.append((dp // k, k))
+            for rep, shard in modes:
+                zeros = [3, 2] if shard > 1 and pp == 1 else [2] if shard > 1 else [0]
+                for zero in zeros:
+                    for micro in reversed(_powers_of_two(local)):
+                        if micro > MICRO_CAP:
+                            continue
+                        for ac in AC_ORDER:
+                            for schedule in SCHEDULES if pp > 1 else ("",):
+                                layout = Layout(
+                                    pp, rep, shard, tp, zero=zero, ac=ac, schedule=schedule
+                                )
+                                c = Candidate(name, n, layout, micro, local // micro)
+                                if schedule == "1f1b" and c.accumulation < pp:
+                                    yield (
+                                        c,
+                                        f"1F1B needs a micro-batch per stage: {c.accumulation} "
+                                        f"for {pp} stages (torch's Schedule1F1B refuses it)",
+                                        "skipped",
+                                    )
+                                elif schedule == "gpipe" and c.accumulation >= pp:
+                                    yield (
+                                        c,
+                                        "not measured: 1F1B runs this step with the same "
+                                        "bubble, holding fewer micro-batches' activations",
+                                        "inferred",
+                                    )
+                                else:
+                                    yield c
+
+
+def _probe(c: Candidate, precision: str, optimizer: str):
+    """What measuring `c`'s rank depends on (its stage's layout: fakerank.Probe)."""
+    from parabench.predict.fakerank import Probe
+
+    return Probe(c.layout, micro=c.micro, precision=precision, optimizer=optimizer)
+
+
+def stage_blocks(blocks: int, pp: int) -> int:
+    """The blocks of a pipeline's largest stage."""
+    return math.ceil(blocks / pp)
+
+
+def in_flight(c: Candidate) -> int:
+    """Micro-batches whose activations a pipeline's first stage holds at once: 1F1B
+    runs a backward as soon as the pipeline is full (pp of them), GPipe all forwards
+    first."""
+    lay = c.layout
+    if lay.pp == 1:
+        return 1
+    return min(lay.pp, c.accumulation) if lay.schedule == "1f1b" else c.accumulation
+
+
+def predict(c: Candidate, m, gpu: GPU, fabric: Fabric, tokens_per_sample: int) -> dict:
+    """The step of candidate `c` from its rank's measurement `m` (fakerank.Measured)."""
+    from parabench.predict.fakerank import OPTIMIZER, RECOMPUTE, STEP
+
+    def seconds(phase: str) -> float:
+        return m.work.seconds(gpu, phase)
+
+    a, lay = c.accumulation, c.layout
+    slicing = max(1.0, c.gpus / gpu.cores) if gpu.cores else 1.0  # ranks sharing cores
+    recompute = seconds(RECOMPUTE) * slicing
+    micro_s = seconds(STEP) * slicing + recompute
+    compute = a * micro_s + seconds(OPTIMIZER) * slicing
+    # Per micro-batch, as the rank measured, but a pipeline's schedule runs data
+    # parallelism's gather and gradient sync once per step (layout.py): only tp's
+    # collectives recur with every micro-batch there. Per step from here on.
+    comm_dims = {
+        d: {
+            op: {k: v * (a if lay.pp == 1 or d == "tp" else 1) for k, v in e.items()}
+            for op, e in ops.items()
+        }
+        for d, ops in m.work.comm_by_dim.items()
+    }
+    comm = layout_comm([comm_dims], fabric.time, lay.degrees, a)
+    p2p = 0.0
+    if lay.pp > 1:  # fill and drain wait on one transfer per boundary, each way
+        # neighbouring stages are a stage's dp x tp ranks apart: the link that spans
+        span = 2 * lay.dp * lay.tp
+        p2p = 2 * (lay.pp - 1) * fabric.time("send", 2, m.boundary_bytes, span)
+    bubble = (lay.pp - 1) * micro_s  # (pp - 1)/m of m micro-batches' compute
+    step = compute + comm + p2p + bubble
+    model_flops = a * m.work.flops(STEP) + m.work.flops(OPTIMIZER)
+    samples = c.micro * a * lay.dp
+    return {
+        "compute_s": compute,
+        "recompute_s": a * recompute,
+        "comm_s": comm + p2p,
+        "comm_by_dim": json.dumps(comm_dims, sort_keys=True),
+        "bubble_s": bubble,
+        "step_s": step,
+        "samples_per_s_per_gpu": samples / step / c.gpus,
+        "tokens_per_s_per_gpu": samples * tokens_per_sample / step / c.gpus
+        if tokens_per_sample
+        else math.nan,
+        "flops_per_gpu": a * (m.work.flops(STEP) + m.work.recompute_flops)
+        + m.work.flops(OPTIMIZER),
+        "mfu": model_flops / step / gpu.peak_flops,
+    }
+
+
+def binding(row: dict) -> str:
+    """What limits the candidate: memory (it does not fit), else the larger of exposed
+    communication and the bubble where it is a tenth of the step or more, else compute."""
+    if row.get("fits") is False:
+        return "memory"
+    comm, bubble, step = row.get("comm_s", 0), row.get("bubble_s", 0), row.get("step_s", 0)
+    if max(comm, bubble) < 0.1 * step:
+        return "compute"
+    return "exposed communication" if comm >= bubble else "bubble"
+
+
+class Search:
+    """Measures candidates (once per rank shape and depth, shared across N) and
+    predicts them."""
+
+    def __init__(
+        self,
+        specs: dict[str, ModelSpec],
+        gpu: GPU,
+        fabric: Fabric,
+        precision: str,
+        optimizer: str,
+        log: Callable[[str], None] = print,
+    ) -> None:
+        self.specs, self.gpu, self.fabric = specs, gpu, fabric
+        self.precision, self.optimizer, self.log = precision, optimizer, log
+        self.cache: dict = {}
+        self.measurements = 0
+
+    def for_family(self, cands: list[Candidate]) -> Search:
+        """A copy to send to a worker: the measurements of these candidates' shapes
+        only (a copy, so that sending it never meets the cache growing)."""
+        shapes = {(c.model, _probe(c, self.precision, self.optimizer)) for c in cands}
+        copy = Search(self.specs, self.gpu, self.fabric, self.precision, self.optimizer, self.log)
+        copy.cache = {k: v for k, v in self.cache.items() if k[:2] in shapes}
+        return copy
+
+    def measured(self, c: Candidate, blocks: int | None):
+        """The rank of `c` (its stage), measured or from the cache; an exception's text
+        where it failed."""
+        from parabench.predict import fakerank
+
+        key = (c.model, _probe(c, self.precision, self.optimizer), blocks)
+        if key not in self.cache:
+            t0 = time.perf_counter()
+            try:
+                spec = self.specs[c.model]
+                probe = key[1]
+                self.cache[key] = (
+                    fakerank.at_blocks(spec, probe, blocks)
+                    if blocks
+                    else fakerank.measure(spec, probe)
+                )
+            except Exception as e:  # a row that says why, never a lost search
+                self.cache[key] = _why(e)
+            self.measurements += 1
+            self.log(
+                f"  measured {c.layout.label}, micro {c.micro}: {time.perf_counter() - t0:.1f} s"
+            )
+        return self.cache[key]
+
+    def row(self, c: Candidate, facts, global_batch: int, tokens: int) -> dict:
+        """One candidate's row: measured, predicted, whether it fits."""
+        from parabench.predict import fakerank
+
+        blocks = fakerank.depth(self.specs[c.model])
+        stage = stage_blocks(blocks, c.layout.pp) if blocks else None
+        row = self.base(c, global_batch, tokens)
+        m = self.measured(c, stage)
+        if isinstance(m, str):
+            return {**row, "status": "failed", "reason": m}
+        # the first stage's other micro-batches in flight: what its blocks saved for each
+        extra = (in_flight(c) - 1) * m.block_saved_bytes
+        peak = m.peak_bytes + extra
+        how = f"measured at {m.blocks} blocks"
+        if m.extended_from:
+            lo, hi = m.extended_from
+            how = f"measured at {lo} and {hi} blocks, extended to {m.blocks}"
+        if extra:
+            how += f"; {in_flight(c) - 1} more micro-batches' saved activations in flight added"
+        row.update(
+            status="ok",
+            memory_bytes=peak,
+            memory_source=how,
+            **{
+                f"{k}_bytes": m.by_category.get(k, 0)
+                for k in ("param", "grad", "opt", "act", "temp")
+            },
+            fits=gpus.fits(peak, self.gpu.memory_bytes),
+            **predict(c, m, self.gpu, self.fabric, tokens),
+        )
+        row["binding"] = binding(row)
+        return row
+
+    def base(self, c: Candidate, global_batch: int, tokens: int) -> dict:
+        return {
+            "model": c.model,
+            "gpus": c.gpus,
+            "gpu": self.gpu.name,
+            "fabric": self.fabric.name,
+            "precision": self.precision,
+            "optimizer": self.optimizer,
+            "global_batch": global_batch,
+            "tokens_per_sample": tokens,
+            "layout": c.layout.label,
+            **c.layout.degrees,
+            "schedule": c.layout.schedule,
+            "ac": c.layout.ac,
+            "zero": c.layout.zero,
+            "micro_batch": c.micro,
+            "accumulation": c.accumulation,
+            "device_memory_bytes": self.gpu.memory_bytes,
+        }
+
+
+def _family(c: Candidate) -> Candidate:
+    """A layout with its ZeRO stage and schedule, whatever its checkpointing and
+    micro-batch: what the micro-batch and checkpointing search runs within."""
+    return c.replace(layout=c.layout.replace(ac="none"), micro=0, accumulation=0)
+
+
+def _largest_fit(micros: list[int], fits: Callable[[int], bool]) -> int | None:
+    """The largest of the ascending `micros` that fits, by bisection: memory grows with
+    the micro-batch, so each probe halves what is left."""
+    lo, hi, best = 0, len(micros) - 1, None
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        if fits(micros[mid]):
+            best, lo = micros[mid], mid + 1
+        else:
+            hi = mid - 1
+    return best
+
+
+def _search_family(
+    search: Search, cands: list[Candidate], facts, global_batch: int, tokens: int
+) -> tuple[list[dict], bool | None]:
+    """One layout's rows (see `search`), and whether its lightest option fits (None:
+    its measurement failed, which decides nothing)."""
+    rows = []
+    by = {(c.layout.ac, c.micro): c for c in cands}
+    micros = sorted({c.micro for c in cands})
+    done: dict[tuple[str, int], dict] = {}
+
+    def fits(ac: str, micro: int) -> bool:
+        """Measured: a failure counts as not fitting for the search, and its row says
+        it failed; rows decided by it say so too."""
+        if (ac, micro) not in done:
+            done[(ac, micro)] = search.row(by[(ac, micro)], facts, global_batch, tokens)
+        return bool(done[(ac, micro)].get("fits"))
+
+    def slower(ac: str, micro: int) -> bool:
+        """Whether this fitting option's step is longer than a smaller micro-batch's
+        that fits (at any level): past it, a pipeline's bubble grows faster than its
+        passes shrink."""
+        smaller = [r["step_s"] for (_, m), r in done.items() if m < micro and r.get("fits")]
+        return bool(smaller) and done[(ac, micro)]["step_s"] > min(smaller)
+
+    def failed(ac: str, micro: int) -> str:
+        got = done.get((ac, micro), {})
+        return got.get("reason", "") if got.get("status") == "failed" else ""
+
+    best: dict[str, int | None] = {}
+    stopped: dict[str, int] = {}  # a pipeline's level: the micro-batch its scan stopped at
+    lightest = fits("full", micros[0])
+    if lightest:
+        floor = 0  # a lighter level's largest fit: below it, that level is faster
+        pipelined = cands[0].layout.pp > 1
+        for ac in AC_ORDER:
+            above = [m for m in micros if m > floor]
+            if pipelined:  # from the smallest micro-batch up, while steps shorten
+                best[ac] = None
+                for m in above:
+                    if not fits(ac, m):
+                        break
+                    best[ac] = m
+                    if slower(ac, m):
+                        stopped[ac] = m  # a larger one only grows the bubble further
+                        break
+            else:
+                best[ac] = _largest_fit(above, lambda m, ac=ac: fits(ac, m)) if above else None
+            floor = max(floor, best[ac] or 0)
+    for c in cands:
+        ac = c.layout.ac
+        key = (ac, c.micro)
+        if key in done:
+            rows.append(done[key])
+            continue
+        row = {**search.base(c, global_batch, tokens), "status": "inferred"}
+        smaller = [m for m in micros if m < c.micro and (ac, m) in done]
+        if why := failed("full", micros[0]):
+            row.update(status="failed", reason=f"not measured: its lightest option failed ({why})")
+        elif not best:
+            row.update(
+                fits=False,
+                binding="memory",
+                reason=f"does not fit: nor does micro-batch {micros[0]} with full "
+                "checkpointing (measured)",
+            )
+        elif ac in stopped and c.micro > stopped[ac]:
+            row.update(
+                reason=f"not measured: at ac {ac}, micro-batch {stopped[ac]}'s step is "
+                "already longer than a smaller one's, and a larger one only grows the bubble"
+            )
+        elif lighter := [
+            a for a in AC_ORDER[: AC_ORDER.index(ac)] if (best.get(a) or 0) >= c.micro
+        ]:
+            row.update(
+                fits=True,
+                reason=f"fits: ac {lighter[0]} fits at this micro-batch, with less recompute",
+            )
+        elif best.get(ac) is not None and c.micro < best[ac]:
+            row.update(
+                fits=True, reason=f"fits, and micro-batch {best[ac]} fits too, with fewer passes"
+            )
+        elif smaller and (why := failed(ac, smaller[-1])):
+            row.update(
+                status="failed",
+                reason=f"not measured: micro-batch {smaller[-1]} at ac {ac} failed ({why})",
+            )
+        else:
+            row.update(
+                fits=False,
+                binding="memory",
+                reason=f"does not fit: a smaller micro-batch at ac {ac} does not (measured)",
+            )
+        rows.append(row)
+    return rows, (None if failed("full", micros[0]) else lightest)
+
+
+def _family_job(search: Search, cands: list[Candidate], facts, global_batch: int, tokens: int):
+    """_search_family in a worker: its rows, and what it measured (for the cache)."""
+    before = set(search.cache)
+    rows, fits = _search_family(search, cands, facts, global_batch, tokens)
+    new = {k: v for k, v in search.cache.items() if k not in before}
+    return rows, fits, new
+
+
+def search(
+    search: Search,
+    name: str,
+    facts,
+    n: int,
+    gpus_per_node: int,
+    global_batch: int,
+    tokens: int,
+    depth: int | None,
+    pool=None,
+) -> list[dict]:
+    """Every candidate of model `name` at n GPUs, as rows, ranked (module docstring).
+
+    Within a layout (a family: its degrees, ZeRO stage and schedule), memory grows with
+    the micro-batch and shrinks with heavier checkpointing (none, selective, full). So:
+    its lightest option (micro-batch 1, full) is measured first, and where it does not
+    fit, nothing of the layout does; else, for each level, the largest micro-batch that
+    fits is found by bisection (a pipeline's: every one that fits, from the smallest,
+    whose bubble is the least), above the largest a lighter level fits at (below it the
+    lighter level is faster: the same passes, less recompute). And across layouts of
+    the same degrees: ZeRO-3 FSDP holds no more than ZeRO-2, HSDP or DDP, so where its
+    lightest option does not fit, theirs are not measured. What is not measured is a
+    row that says which measurement decided it. `pool`: a process pool the layouts are
+    searched in, side by side."""
+    rows: list[dict] = []
+    families: dict[Candidate, list[Candidate]] = {}
+    for c in candidates(name, facts, n, gpus_per_node, global_batch, depth):
+        if isinstance(c, tuple):
+            what, why, status = c
+            if isinstance(what, Candidate):
+                rows.append(
+                    {**search.base(what, global_batch, tokens), "status": status, "reason": why}
+                )
+                continue
+            rows.append(
+                {
+                    "model": name,
+                    "gpus": n,
+                    "layout": what.label,
+                    **what.degrees,
+                    "status": status,
+                    "reason": why,
+                }
+            )
+        else:
+            families.setdefault(_family(c), []).append(c)
+    # (pp, tp, dp) -> families, lightest first: FSDP before DDP, ZeRO-3 before ZeRO-2
+    groups: dict[tuple[int, int, int], list[Candidate]] = {}
+    for fam in sorted(families, key=lambda f: (f.layout.dp_replicate > 1, -f.layout.zero)):
+        lay = fam.layout
+        groups.setdefault((lay.pp, lay.tp, lay.dp), []).append(fam)
+
+    def run(fams: list[Candidate]) -> dict[Candidate, tuple[list[dict], bool]]:
+        args = [(families[f], facts, global_batch, tokens) for f in fams]
+        if pool is None:
+            return {f: _search_family(search, *a) for f, a in zip(fams, args, strict=True)}
+        futures = {
+            f: pool.submit(_family_job, search.for_family(families[f]), *a)
+            for f, a in zip(fams, args, strict=True)
+        }
+        out = {}
+        for f, fut in futures.items():
+            got, fits, new = fut.result()
+            search.cache.update(new)
+            search.measurements += len(new)
+            out[f] = (got, fits)
+        return out
+
+    lightest = run([fams[0] for fams in groups.values()])
+    # the rest of a group, unless its lightest layout does not fit (None: it failed, so
+    # nothing is known, and they are measured)
+    rest = [f for fams in groups.values() if lightest[fams[0]][1] is not False for f in fams[1:]]
+    done = {**lightest, **run(rest)}
+    for fams in groups.values():
+        first = fams[0]
+        for fam in fams:
+            if fam in done:
+                rows += done[fam][0]
+                continue
+            c0 = families[first][0]
+            zero = {3: "ZeRO-3", 2: "ZeRO-2"}.get(c0.layout.zero, "")
+            for c in families[fam]:
+                rows.append(
+                    {
+                        **search.base(c, global_batch, tokens),
+                        "status": "inferred",
+                        "fits": False,
+                        "binding": "memory",
+                        "reason": (
+                            f"does not fit: holds at least what {c0.layout.parallelism} "
+                            f"{zero} holds, which does not fit at micro-batch 1 with full "
+                            "checkpointing (measured)"
+                        ),
+                    }
+                )
+    ranked = sorted(
+        (r for r in rows if r.get("status") == "ok" and r.get("fits")), key=lambda r: r["step_s"]
+    )
+    for i, r in enumerate(ranked):
+        r["rank"] = i + 1
+    return rows
+
+
+def write(rows: list[dict], out: Path) -> Path:
+    path = out / "advise.csv"
+    write_rows(path, ADVISE_COLUMNS, rows)
+    return path
+
+
+def _why(e: Exception) -> str:
+    return f"{type(e).__name__}: {e}"[:500]
+
+
+def tokens_per_sample(spec: ModelSpec) -> int:
+    """A language model's sequence length (0: a model that reads no tokens)."""
+    return int(spec.size_dict().get("seq_len") or 0)
+
+
+def global_batch_of(adv: dict, entry: dict, tokens: int) -> tuple[int, str]:
+    """The global batch in samples, and why not where it cannot be had."""
+    if adv.get("global_tokens"):
+        if not tokens:
+            return 0, "advise.global_tokens: the model reads no tokens (give global_batch)"
+        if adv["global_tokens"] % tokens:
+            return (
+                0,
+                f"advise.global_tokens: {adv['global_tokens']} is not a whole number of "
+                f"{tokens}-token samples",
+            )
+        return adv["global_tokens"] // tokens, ""
+    return int(adv.get("global_batch") or entry["batch_size"]), ""
+
+
+def run(
+    config: dict,
+    gpu: GPU,
+    fabric: Fabric,
+    out: Path,
+    log: Callable[[str], None] = print,
+    pool=None,
+) -> list[dict]:
+    """Advise on every model of the config's `advise` section at each of its GPU counts:
+    out/advise.csv, rewritten after each (model, N), so a crash loses none done before.
+    `pool`: processes the layouts are searched in (`pool`), None for this one alone."""
+    from parabench.config import model_spec
+
+    adv = config["advise"]
+    names = adv.get("models") or list(config["models"])
+    specs = {n: model_spec(config["models"][n]) for n in names}
+    searcher = Search(
+        specs, gpu, fabric, adv.get("precision", "bf16"), adv.get("optimizer", "adamw"), log
+    )
+    rows: list[dict] = []
+    for name in names:
+        rows += _advise_model(searcher, config, name, pool, out, rows, log)
+    write(rows, out)
+    return rows
+
+
+@contextlib.contextmanager
+def pool(workers: int):
+    """Processes the layouts are searched in (spawned: each measures on fake tensors
+    under its own fake process group), or None for this process alone."""
+    if workers < 2:
+        yield None
+        return
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+        yield pool
+
+
+def _advise_model(
+    search_: Search, config: dict, name: str, pool, out: Path, done: list[dict], log
+) -> list[dict]:
+    """Model `name`'s rows at each N (advise.csv rewritten after each); what fails, a
+    row that says why, and the next N goes on."""
+    from parabench import models
+    from parabench.predict import fakerank
+
+    adv = config["advise"]
+    spec, entry = search_.specs[name], config["models"][name]
+    rows: list[dict] = []
+    for n in adv["gpus"]:
+        t0, before = time.perf_counter(), search_.measurements
+        try:
+            facts = models.facts(spec)
+            tokens = tokens_per_sample(spec)
+            batch, why = global_batch_of(adv, entry, tokens)
+            if why or facts.problems:
+                raise ValueError(why or "; ".join(facts.problems))
+            depth = fakerank.depth(spec)
+            found = search(
+                search_, name, facts, n, adv.get("gpus_per_node", 8), batch, tokens, depth, pool
+            )
+            params = fakerank.parameters(spec)
+        except Exception as e:  # this (model, N) fails; the table keeps the rest
+            rows.append({"model": name, "gpus": n, "status": "failed", "reason": _why(e)})
+            write(done + rows, out)
+            log(f"advise {name} N={n}: failed: {_why(e)}")
+            continue
+        rows += [{**r, "params": params} for r in found]
+        write(done + rows, out)
+        best = [r for r in found if r.get("rank") == 1]
+        log(
+            f"advise {name} N={n}: {search_.measurements - before} measured "
+            f"[{time.perf_counter() - t0:.1f} s]; "
+            + (
+                f"best {best[0]['layout']} ac {best[0]['ac']} micro {best[0]['micro_batch']}: "
+                f"{best[0]['step_s']:.3g} s/step"
+                if best
+                else "nothing fits"
+            )
+        )
+    return rows
+
+
+def check_torchtitan(
+    gpu: GPU, fabric: Fabric, log: Callable[[str], None] = print, pool=None
+) -> list[dict]:
+    """Each of torchtitan's published runs (published.TORCHTITAN_TABLES), its layout
+    measured and predicted as advise does any candidate, beside what it reported; the
+    runs side by side in `pool`'s processes where given."""
+    from parabench.config import model_spec
+    from parabench.predict.published import TORCHTITAN_SOURCE, TORCHTITAN_TABLES, llama3_model
+
+    specs = {t["model"]: model_spec(llama3_model(t["model"])) for t in TORCHTITAN_TABLES}
+    searcher = Search(specs, gpu, fabric, "bf16", "adamw", log)
+    futures = {
+        t["table"]: pool.submit(_torchtitan_row, searcher, specs[t["model"]], t)
+        for t in (TORCHTITAN_TABLES if pool else ())
+    }
+    rows = []
+    for t in TORCHTITAN_TABLES:
+        published = {
+            "table": t["table"],
+            "source": TORCHTITAN_SOURCE,
+            "model": t["model"],
+            "gpus": t["gpus"],
+            "published_tokens_per_s_per_gpu": t["tokens_per_s_per_gpu"],
+            "published_memory_gib": t["memory_gib"],
+            "not_modelled": t["not_modelled"],
+        }
+        try:
+            if fut := futures.get(t["table"]):
+                row = fut.result()
+            else:
+                row = _torchtitan_row(searcher, specs[t["model"]], t)
+        except Exception as e:  # transformers missing, say: a row that says so
+            rows.append({**published, "status": "failed", "reason": _why(e)})
+            log(f"torchtitan {t['table']}: failed: {e}")
+            continue
+        predicted_gib = row.get("memory_bytes", math.nan) / 2**30
+        rows.append(
+            {
+                **row,
+                **published,
+                "tps_error": row.get("tokens_per_s_per_gpu", math.nan) / t["tokens_per_s_per_gpu"]
+                - 1,
+                "predicted_memory_gib": predicted_gib,
+                "memory_error": predicted_gib / t["memory_gib"] - 1,
+            }
+        )
+        log(
+            f"torchtitan {t['table']}: {row.get('tokens_per_s_per_gpu', math.nan):,.0f} "
+            f"tokens/s/GPU against {t['tokens_per_s_per_gpu']:,.0f}; {predicted_gib:.1f} GiB "
+            f"against {t['memory_gib']}"
+        )
+    return rows
+
+
+def _torchtitan_row(searcher: Search, spec: ModelSpec, t: dict) -> dict:
+    """One published run's layout, measured and predicted as any candidate."""
+    from parabench import models
+    from parabench.predict import fakerank
+
+    layout = Layout(
+        pp=t["pp"],
+        dp_shard=t["dp_shard"],
+        tp=t["tp"],
+        zero=t["zero"],
+        ac=t["ac"],
+        schedule=t["schedule"] or "1f1b",
+    )
+    c = Candidate(t["model"], t["gpus"], layout, t["micro"], t["accumulation"])
+    row = searcher.row(
+        c, models.facts(spec), c.micro * c.accumulation * layout.dp, tokens_per_sample(spec)
+    )
+    return {**row, "params": fakerank.parameters(spec)}

@@ -1,0 +1,831 @@
+"""One rank of a layout at any world size, on fake tensors: what `parabench advise`
+measures, on a laptop, of a run that would need a cluster.
+
+The model is built on the meta device and parallelized there, outside fake mode, as
+a cell parallelizes it (tensor parallel over tp, activation checkpointing, FSDP2 over
+dp_shard, HSDP over both data dimensions, or FSDP2's `replicate` for DDP), over torch's
+`fake` process group at the layout's world size. Then, inside FakeTensorMode, its
+storage is made (fake: nothing is allocated) and one training step runs: forward,
+backward, optimizer. Measured on that step:
+
+- memory, by torch's own tracker (`_tools.mem_tracker.MemTracker`): this rank's peak
+  and what it holds at that peak by category (parameters, gradients, optimizer state,
+  activations, temporaries), in the dtypes the step really uses. The optimizer's state
+  is made before the step (its first step, on zero gradients), so the step holds it as
+  every later step does;
+- work, by a dispatch mode below the model: every op's FLOPs (torch's own formulas,
+  on each DTensor's local shard: what this rank multiplies) and the bytes it reads and
+  writes, what the GPU's roofline prices (predict/advise.py); the FLOPs a checkpointed block's
+  recompute adds, apart;
+- communication, by the same mode: every collective this rank issues (under fake
+  tensors none reaches a process group: torch's Meta kernels answer them), by the mesh
+  dimension of its group, in the anatomy's units (calls, and bytes as nccl-tests sizes
+  them: the gathered output, the input to reduce).
+
+Why not a real step: a 70B model's rank holds tens of GiB; under fake tensors a step
+of one block takes about a second and allocates nothing. Why not a formula: the
+tracker sees what the code holds (FSDP's unsharded copies, autocast's casts, the loss's
+fp32 logits), which is where formulas go wrong.
+
+A stage of k blocks is measured at a few depths and extended linearly to its real depth
+(`at_blocks`, `extended`): identical blocks hold and do the same, which
+tests/test_advise.py checks against a measurement at full depth.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import functools
+import itertools
+import sys
+import threading
+import time
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor.parallel import loss_parallel
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from parabench import envinfo
+from parabench.hardware import gpus
+from parabench.hardware.gpus import GPU
+from parabench.layout import Layout
+from parabench.models import build
+from parabench.models.base import Model, fake_mode, quiet_fake
+from parabench.ops import BY_C10D
+from parabench.process import runtime
+from parabench.process.runtime import NamedMesh
+from parabench.run import peak
+from parabench.spec import ModelSpec
+from parabench.strategies import checkpointing
+from parabench.strategies.parallelize import Parallel, parallelize
+
+AC_LEVELS = ("none", "selective", "full")
+
+
+@dataclasses.dataclass(frozen=True)
+class Probe:
+    """What one rank's memory and work depend on: its stage's layout (the pipeline
+    degree does not count: a stage is measured as a model of its blocks, Layout.stage),
+    its micro-batch, its depth, and the run's precision and optimizer."""
+
+    layout: Layout = Layout()
+    micro: int = 1  # samples per micro-batch
+    blocks: int = 0  # repeated blocks in the stage; 0: the model's own depth
+    precision: str = "bf16"
+    optimizer: str = "adamw"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "layout", self.layout.stage)
+
+    @property
+    def world(self) -> int:
+        return self.layout.world
+
+    def replace(self, **changes) -> Probe:
+        return dataclasses.replace(self, **changes)
+
+
+# --- the model at a depth -------------------------------------------------------------
+
+# Where each architecture keeps its number of repeated blocks.
+_DEPTH_KEYS = {"gpt": "n_layer", "resmlp": "depth"}
+
+
+def depth(spec: ModelSpec) -> int | None:
+    """The model's number of repeated blocks, where its config says it (None: a model
+    whose depth parabench cannot set, measured whole)."""
+    sizes = spec.size_dict()
+    if spec.arch == "hf":
+        from parabench.models.hf import _config, _layers
+
+        return _layers(_config(spec)) or None
+    from parabench.models.facts import DEFAULTS
+
+    key = _DEPTH_KEYS.get(spec.arch)
+    if key is None:
+        return None
+    return int(sizes.get(key, DEFAULTS.get(spec.arch, {}).get(key, 0))) or None
+
+
+def at_depth(spec: ModelSpec, blocks: int) -> ModelSpec:
+    """The same model with `blocks` repeated blocks."""
+    sizes = spec.size_dict()
+    if spec.arch == "hf":
+        cfg = dict(sizes.get("config") or {})
+        cfg["num_hidden_layers"] = blocks
+        return ModelSpec.of("hf", **{**sizes, "config": cfg})
+    return ModelSpec.of(spec.arch, **{**sizes, _DEPTH_KEYS[spec.arch]: blocks})
+
+
+def parameters(spec: ModelSpec) -> int:
+    """The model's parameters, counted on the meta device (nothing allocated)."""
+    with torch.device("meta"):
+        model = build(spec, 0)
+    return sum(p.numel() for p in model.module.parameters())
+
+
+# --- counting ---------------------------------------------------------------------------
+
+
+def _local(x):
+    from torch.distributed.tensor import DTensor
+
+    return x._local_tensor if isinstance(x, DTensor) else x
+
+
+def _tensors(tree) -> list[torch.Tensor]:
+    from torch.utils._pytree import tree_leaves
+
+    return [t for t in tree_leaves(tree) if isinstance(t, torch.Tensor)]
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+@functools.cache
+def _flop_formulas() -> dict:
+    """torch's FLOP formulas, with the CPU attention kernels' (torch has none for
+    them), and every attention kernel's causal call at half its square: flash kernels
+    skip the masked half."""
+    from torch.utils import flop_counter as fc
+
+    formulas = dict(fc.flop_registry)
+    aten = torch.ops.aten
+
+    def cpu_fwd(q, k, v, *args, out_val=None, **kwargs):
+        return fc.sdpa_flop_count(q.shape, k.shape, v.shape)
+
+    def cpu_bwd(grad, q, k, v, *args, out_val=None, **kwargs):
+        return fc.sdpa_backward_flop_count(grad.shape, q.shape, k.shape, v.shape)
+
+    for name, formula in (
+        ("_scaled_dot_product_flash_attention_for_cpu", cpu_fwd),
+        ("_scaled_dot_product_flash_attention_for_cpu_backward", cpu_bwd),
+    ):
+        if (op := getattr(aten, name, None)) is not None:
+            formulas[op] = formula
+    return formulas
+
+
+def _is_causal(func, args, kwargs) -> bool:
+    """An attention call's `is_causal`, wherever its schema puts it."""
+    if "is_causal" in kwargs:
+        return bool(kwargs["is_causal"])
+    names = [a.name for a in func._schema.arguments]
+    i = names.index("is_causal") if "is_causal" in names else -1
+    return bool(args[i]) if 0 <= i < len(args) else False
+
+
+ATTENTION = "attention"
+MATMUL = "matmul"
+MEMORY = "memory"
+
+
+Op = tuple[str, str, int, int]  # phase, kind, FLOPs, bytes moved
+# A micro-batch's forward and backward; a checkpointed block's forward again inside that
+# backward; the update.
+STEP, RECOMPUTE, OPTIMIZER = "step", "recompute", "optimizer"
+
+
+@dataclasses.dataclass
+class Work:
+    """What a step does on one rank: its ops, each with its FLOPs and bytes (so that a
+    roofline prices each at its own bound), counted; its collectives by mesh dimension."""
+
+    ops: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    comm_by_dim: dict[str, dict[str, dict[str, float]]] = dataclasses.field(default_factory=dict)
+
+    def flops(self, phase: str | None = None) -> float:
+        return sum(f * n for (p, _, f, _), n in self.ops.items() if phase in (None, p))
+
+    def op_count(self, phase: str | None = None) -> float:
+        return sum(n for (p, *_), n in self.ops.items() if phase in (None, p))
+
+    @property
+    def recompute_flops(self) -> float:
+        return self.flops(RECOMPUTE)
+
+    def seconds(self, gpu: GPU, phase: str | None = None) -> float:
+        """Its ops' time on `gpu`, each at its own roofline bound (GPU.op_time)."""
+        return sum(
+            n * gpu.op_time(flops, nbytes, kind == ATTENTION)
+            for (p, kind, flops, nbytes), n in self.ops.items()
+            if phase in (None, p)
+        )
+
+
+class Counting(TorchDispatchMode):
+    """Every op of a step, as one rank runs it (see the module's docstring)."""
+
+    def __init__(self, dims: dict[str, str]) -> None:
+        super().__init__()
+        self.work = Work()
+        self.dims = dims  # process group -> mesh dimension name
+        self.phase = STEP
+        self.inside = False  # in DTensor's dispatch of an op (see _dtensor_op)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is _DEVICE:  # a query (see _DEVICE): no work
+            return func(*args)
+        kwargs = kwargs or {}
+        name, moves, formula = _op(func)
+        collective = name.startswith(("c10d::", "_c10d_functional"))
+        if self.inside:  # a DTensor op's own local ops: counted at the DTensor op
+            out = func(*args, **kwargs)
+            if collective:
+                self._collective(func, name, args, kwargs, out)
+            return out
+        handler = _DTENSOR._op_dispatcher._custom_op_handlers.get(func)
+        if handler is not None and _DTENSOR in types:
+            out = self._handled(handler, func, args, kwargs)
+        else:
+            out = func(*args, **kwargs)
+        if collective:
+            self._collective(func, name, args, kwargs, out)
+            return out
+        outs = _tensors(out) if moves else []
+        if not outs:
+            return out  # no data moved: aliases, metadata, allocation without a fill
+        moved = sum(_nbytes(_local(t)) for t in [*_tensors((args, kwargs)), *outs])
+        if formula is None:
+            self.work.ops[(self._phase(), MEMORY, 0, moved)] += 1
+            return out
+        local_args = [_local(a) if isinstance(a, torch.Tensor) else a for a in args]
+        local_kwargs = {
+            k: _local(v) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()
+        }
+        local_out = out if not isinstance(out, torch.Tensor) else _local(out)
+        flops = int(formula(*local_args, out_val=local_out, **local_kwargs))
+        kind = ATTENTION if "attention" in name else MATMUL
+        if kind == ATTENTION and _is_causal(func, args, kwargs):
+            flops //= 2
+        self.work.ops[(self._phase(), kind, flops, moved)] += 1
+        return out
+
+    def _phase(self) -> str:
+        return RECOMPUTE if checkpointing.recomputing() else self.phase
+
+    def _handled(self, handler, func, args, kwargs):
+        """A DTensor op that DTensor hands to a handler of its own (loss_parallel's
+        reductions over the vocabulary), run with this mode pushed again, so that the
+        collectives it issues are counted too: below a mode's own handler that mode sees
+        nothing, and a real rank's group counts them all. The ops of DTensor's common
+        path (its sharding's redistributions) stay unseen (tests/test_parallelize.py
+        finds none in the layouts it runs)."""
+        self.inside = True
+        try:
+            with self:
+                return handler(func, args, kwargs)
+        finally:
+            self.inside = False
+
+    def _collective(self, func, name, args, kwargs, out) -> None:
+        from torch.distributed._tools.fake_collectives import CollectiveOp, collective_ops
+
+        op = BY_C10D.get(name)
+        if op is None or func not in collective_ops:
+            return  # wait_tensor, barriers: no bytes
+        group = CollectiveOp.get_process_group(func, args)
+        dim = self.dims.get(group.group_name, "world")
+        nbytes = CollectiveOp.get_comm_tensor_size(func, out, args, kwargs)
+        entry = self.work.comm_by_dim.setdefault(dim, {}).setdefault(
+            op.name, {"count": 0.0, "bytes": 0.0}
+        )
+        entry["count"] += 1
+        entry["bytes"] += nbytes
+
+
+from torch.distributed.tensor import DTensor as _DTENSOR  # noqa: E402
+
+# A fake tensor's device, asked of it through every mode (FakeTensor dispatches its
+# device): most of the ops a fake step dispatches (8,500 of 12,300 in a GPT-2 rank's
+# step, most from autograd's checks), none of them work or an allocation.
+_DEVICE = torch.ops.prim.device.default
+
+
+@functools.cache
+def _op(func) -> tuple[str, bool, object]:
+    """What Counting reads of an op, once per op rather than once per call: its name,
+    whether it can move data (not a view, a metadata op or an allocation: _FREE), and
+    its FLOP formula, if torch has one."""
+    name = func._schema.name
+    moves = not (func.is_view or name in _FREE or name.startswith("prim::"))
+    formulas = _flop_formulas()
+    return name, moves, formulas.get(func) or formulas.get(func._overloadpacket)
+
+
+# Ops that move no data (allocation without a fill, metadata).
+_FREE = frozenset(
+    {
+        "aten::empty",
+        "aten::empty_like",
+        "aten::empty_strided",
+        "aten::new_empty",
+        "aten::new_empty_strided",
+        "aten::detach",
+        "aten::lift_fresh",
+        "aten::_local_scalar_dense",
+        "aten::_unsafe_view",
+        "aten::set_",
+        "aten::resize_",
+        "aten::record_stream",
+    }
+)
+
+
+# --- one measurement -------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Measured:
+    """One rank's step at a shape and depth (see the module's docstring)."""
+
+    peak_bytes: int
+    by_category: dict[str, int]  # at the peak: parameters, gradients, ...
+    work: Work
+    boundary_bytes: int  # one micro-batch's activations leaving the last block
+    blocks: int
+    saved_bytes: int = 0  # activations saved for backward when the forward ends
+    block_saved_bytes: int = 0  # of which the repeated blocks saved (not the head's)
+    extended_from: tuple[int, int] | None = None  # the depths it was extended from
+
+
+@contextlib.contextmanager
+def _fake_world(size: int) -> Iterator[None]:
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise RuntimeError("fakerank: a process group is already initialised here")
+    # init_process_group wraps sys.excepthook to prefix "[rank0]:", again at each call:
+    # a search's hundreds of worlds would prefix a traceback hundreds of times.
+    hook = sys.excepthook
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+        sys.excepthook = hook
+        from parabench.process.runtime import forget_meshes
+
+        forget_meshes()
+
+
+_BUILT = itertools.count()
+
+
+def _mesh(layout: Layout) -> NamedMesh | None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dims = layout.declared()
+    if not dims:
+        return None
+    # Named apart from every earlier measurement's: DeviceMesh compares equal by shape
+    # and names, and torch's caches (DTensor's plans, a mesh's flattened groups) would
+    # hand this one the groups of a world destroyed since (predict/rank_alone.py's _BUILT, alike).
+    tag = f"_{next(_BUILT)}"
+    mesh = init_device_mesh(
+        "cpu", tuple(layout.degrees[d] for d in dims), mesh_dim_names=tuple(d + tag for d in dims)
+    )
+    return NamedMesh(mesh, layout, tag)
+
+
+def _optimizer(module: nn.Module, probe: Probe) -> torch.optim.Optimizer:
+    params = [p for p in module.parameters() if p.requires_grad]
+    # foreach=False: under fake tensors, foreach over DTensors reports transient
+    # global-size buffers (docs/design/advise.md); the per-parameter loop's are exact.
+    if probe.optimizer == "adamw":
+        return torch.optim.AdamW(params, lr=1e-4, foreach=False)
+    return torch.optim.SGD(params, lr=1e-4, foreach=False)
+
+
+@dataclasses.dataclass
+class Rank:
+    """One rank of a layout, built and ready to step (`rank`)."""
+
+    model: Model
+    optimizer: torch.optim.Optimizer
+    batch: tuple[torch.Tensor, torch.Tensor]
+    probe: Probe
+    par: Parallel
+    dims: dict[str, str]  # process group name -> its mesh dimension
+    boundary: list[int]  # set by the last block's forward: bytes leaving it
+
+    @property
+    def module(self) -> nn.Module:
+        return self.model.module
+
+
+@contextlib.contextmanager
+def rank(spec: ModelSpec, probe: Probe, fake: bool = True) -> Iterator[Rank]:
+    """Rank 0 of `probe`'s layout over torch's fake process group at its world size:
+    built on the meta device, parallelized there by the cells' own `parallelize`, then
+    given storage: fake (nothing allocated) or, `fake` False, real
+    (tests/test_advise.py checks one against the other). The optimizer's state is made,
+    as every step after the first holds it."""
+    if probe.blocks:
+        spec = at_depth(spec, probe.blocks)
+    with _fake_world(probe.world), quiet_fake():
+        mesh = _mesh(probe.layout)
+        with torch.device("meta"):
+            model = build(spec, 0)
+        model.module.train()
+        par = parallelize(model, probe.layout, mesh, precision=probe.precision, fake=True)
+        dims = {g.group_name: d for d, g in mesh.groups().items()} if mesh else {}
+        boundary = [0]
+        if blocks := model.blocks():
+            blocks[-1].register_forward_hook(
+                lambda m, a, out: boundary.__setitem__(
+                    0, sum(_nbytes(_local(t)) for t in _tensors(out))
+                )
+            )
+        with fake_mode() if fake else contextlib.nullcontext():
+            model.module.to_empty(device="cpu")
+            opt = _optimizer(model.module, probe)
+            for p in model.module.parameters():
+                p.grad = torch.zeros_like(p)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            batch = model.batch(probe.micro, torch.Generator().manual_seed(0))
+            yield Rank(model, opt, batch, probe, par, dims, boundary)
+
+
+def step(r: Rank, counting: Counting | None = None) -> None:
+    """One training step of the rank: forward, backward, optimizer (the optimizer's ops
+    booked as its own phase where `counting`)."""
+    # FSDP's mixed precision casts the parameters; without it, autocast (parallelize)
+    autocast = (
+        torch.autocast("cpu", dtype=torch.bfloat16) if r.par.autocast else contextlib.nullcontext()
+    )
+    x, y = r.batch
+    with autocast:
+        out = r.module(x)
+    with loss_parallel() if r.par.split_loss else contextlib.nullcontext():
+        r.model.loss_fn(out, y).backward()
+    if counting is not None:
+        counting.phase = OPTIMIZER
+    r.optimizer.step()
+    r.optimizer.zero_grad(set_to_none=True)
+
+
+def local_bytes(t: torch.Tensor) -> int:
+    """A tensor's bytes on this rank (a DTensor's local shard)."""
+    return _nbytes(_local(t))
+
+
+# Depth of DTensor's sharding propagation on this thread's stack (see _shadows).
+_SHADOW = threading.local()
+
+
+@functools.cache
+def _shadows() -> None:
+    """Mark DTensor's sharding propagation while it runs. To learn an op's output
+    strides it runs the op on fake tensors of the global shape (torch calls them
+    "shadow" tensors), inside the active fake mode, so a tracker's mode sees them as
+    allocations: a 70B TP rank's logits counted whole, 63 GiB twice over, where the
+    rank holds 1/8 of them. A real run allocates none of them."""
+    from torch.distributed.tensor._sharding_prop import ShardingPropagator
+
+    meta = ShardingPropagator._propagate_tensor_meta_non_cached
+
+    @functools.wraps(meta)
+    def marked(self, op_schema):
+        _SHADOW.depth = getattr(_SHADOW, "depth", 0) + 1
+        try:
+            return meta(self, op_schema)
+        finally:
+            _SHADOW.depth -= 1
+
+    ShardingPropagator._propagate_tensor_meta_non_cached = marked
+
+
+def _in_shadow() -> bool:
+    return getattr(_SHADOW, "depth", 0) > 0
+
+
+@functools.cache
+def _tracker_class() -> type:
+    from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker
+
+    _shadows()
+
+    class PeakTracker(MemTracker):
+        """torch's MemTracker keeping its step-wide peak only: its per-module peaks,
+        which advise reads none of, cost a pass over every module after every op (a
+        third of a fake step). Its snapshots at each module's end of forward stay."""
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            # a device query (_DEVICE) makes no tensor and frees none: nothing to track,
+            # and the peak cannot move (every op that allocates updates it as it runs);
+            # nor do DTensor's shadow tensors exist on the rank (_shadows)
+            if func is _DEVICE or _in_shadow():
+                return func(*args, **(kwargs or {}))
+            return super().__torch_dispatch__(func, types, args, kwargs)
+
+        def _update_peak_stats(self, peak_state) -> None:
+            for dev, snap in self._curr_mem_snap.items():
+                if self._peak_mem.get(dev, 0) < snap[_TOTAL_KEY]:
+                    self._peak_mem[dev] = snap[_TOTAL_KEY]
+                    self._peak_mem_snap[dev] = dict(snap)
+
+    return PeakTracker
+
+
+@functools.cache
+def total_tracker_class() -> type:
+    """PeakTracker following no module: the step's total peak, all the rehearsal reads
+    (preflight/rehearse.py). Its module hooks are most of its cost (a multi-grad hook registered
+    at each module's call), and MemTracker refuses a root module called twice in a step
+    (gradient accumulation's and a pipeline's micro-batches). Every tensor the step
+    makes is still tracked as the ops make it, gradients included; only the split by
+    category then differs (gradients count as temporaries)."""
+
+    class Blind:
+        """What MemTracker asks of its module tracker: where the step is, forward or
+        backward, by autograd's own state."""
+
+        parents = frozenset({"Global"})
+
+        def register_user_hooks(self, *hooks) -> None:
+            pass
+
+        def clear_user_hooks(self) -> None:
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *args) -> None:
+            pass
+
+        @property
+        def is_bw(self) -> bool:
+            return torch._C._current_graph_task_id() != -1
+
+    class TotalTracker(_tracker_class()):
+        def __init__(self) -> None:
+            super().__init__()
+            self._mod_tracker = Blind()
+
+    return TotalTracker
+
+
+def measure(spec: ModelSpec, probe: Probe) -> Measured:
+    """One rank's step at `probe` (and `probe.blocks` blocks, where set) under fake
+    tensors: its peak memory by category, its work and its collectives."""
+    with rank(spec, probe) as r:
+        tracker = _tracker_class()()
+        tracker.track_external(r.module, r.optimizer)
+        counting = Counting(r.dims)
+        with tracker, counting:
+            step(r, counting)
+        peak = tracker.get_tracker_snapshot("peak")
+    at = next(iter(peak.values())) if peak else {}
+    by = {str(getattr(k, "name", k)).lower(): int(v) for k, v in at.items() if k != "Total"}
+    return Measured(
+        int(at.get("Total", 0)),
+        by,
+        counting.work,
+        r.boundary[0],
+        len(r.model.blocks()),
+        _saved(tracker),
+        _saved(tracker, checkpointing.repeated(r.model.blocks())),
+    )
+
+
+def _saved(tracker, modules: list[nn.Module] | None = None) -> int:
+    """Activations saved for backward at the end of the forward: the largest of the
+    tracked modules' (the outermost one's), as ranks.saved_activations reads it; or,
+    given `modules`, what their forwards added (each one's at its end less at its
+    start): what each micro-batch a pipeline's stage holds in flight adds."""
+    from torch.distributed._tools.mem_tracker import _MemRefType, _ModState
+
+    def act(module, state) -> int:
+        taken = tracker.memory_tracking[module].snapshots.get(state, [])
+        return sum(snap.get(_MemRefType.ACT, 0) for snap in taken[-1].values()) if taken else 0
+
+    if modules is not None:
+        return sum(act(m, _ModState.POST_FW) - act(m, _ModState.PRE_FW) for m in modules)
+    return max(
+        (
+            snap.get(_MemRefType.ACT, 0)
+            for state in tracker.memory_tracking.values()
+            if hasattr(state, "snapshots")
+            for taken in state.snapshots.get(_ModState.POST_FW, [])
+            for snap in taken.values()
+        ),
+        default=0,
+    )
+
+
+def extended(low: Measured, high: Measured, blocks: int) -> Measured:
+    """`blocks` blocks, from measurements at two depths: each further block adds what
+    one block added between them (memory, ops, collectives), so every figure is
+    low + (high - low) x (blocks - low's) / (high's - low's)."""
+    k = (blocks - low.blocks) / (high.blocks - low.blocks)
+
+    def line(a: float, b: float) -> float:
+        return a + (b - a) * k
+
+    ops = collections.Counter()
+    for op in set(low.work.ops) | set(high.work.ops):
+        if n := line(low.work.ops.get(op, 0), high.work.ops.get(op, 0)):
+            ops[op] = n
+    comm = {}
+    for dim in set(low.work.comm_by_dim) | set(high.work.comm_by_dim):
+        lo, hi = low.work.comm_by_dim.get(dim, {}), high.work.comm_by_dim.get(dim, {})
+        comm[dim] = {
+            op: {
+                f: line(lo.get(op, {}).get(f, 0.0), hi.get(op, {}).get(f, 0.0))
+                for f in ("count", "bytes")
+            }
+            for op in set(lo) | set(hi)
+        }
+    cats = set(low.by_category) | set(high.by_category)
+    by = {c: int(line(low.by_category.get(c, 0), high.by_category.get(c, 0))) for c in cats}
+    work = Work(ops, comm)
+    return Measured(
+        int(line(low.peak_bytes, high.peak_bytes)),
+        by,
+        work,
+        high.boundary_bytes,
+        blocks,
+        int(line(low.saved_bytes, high.saved_bytes)),
+        int(line(low.block_saved_bytes, high.block_saved_bytes)),
+        (low.blocks, high.blocks),
+    )
+
+
+# The first depth a stage is measured at: below it the step's peak falls elsewhere (at
+# one block, where the loss's buffers meet the first blocks' FSDP copies).
+FIRST_PROBE = 3
+# Two successive blocks adding the same to the peak, within this, settle the slope.
+SETTLED = 0.01
+
+
+# The depth from which a rank's blocks each added the same, by its shape less its
+# micro-batch and checkpointing: a micro-batch scales the activations and the loss's
+# buffers alike, and checkpointing shrinks what each block keeps, not where the peak
+# falls, so the shape's other options settle there too (tests/test_advise.py), and are
+# measured at that depth and the next only.
+_SETTLED: dict[tuple, int] = {}
+
+
+def at_blocks(spec: ModelSpec, probe: Probe, blocks: int) -> Measured:
+    """The rank of `probe` with `blocks` repeated blocks: measured at successive depths
+    from FIRST_PROBE until two successive blocks add the same to the peak (the peak has
+    settled in the phase of the step that grows with depth: tests/test_advise.py), then
+    extended from the last two; measured at `blocks` itself where the search gets there
+    first, or where the model's depth cannot be set."""
+    if depth(spec) is None:
+        return measure(spec, probe.replace(blocks=0))
+    if blocks <= FIRST_PROBE + 1:
+        return measure(spec, probe.replace(blocks=blocks))
+    key = (spec, probe.replace(micro=0, blocks=0, layout=probe.layout.replace(ac="")))
+    if (k := _SETTLED.get(key)) and k + 1 < blocks:
+        low, high = (measure(spec, probe.replace(blocks=b)) for b in (k, k + 1))
+        return extended(low, high, blocks)
+    probes = [measure(spec, probe.replace(blocks=k)) for k in (FIRST_PROBE, FIRST_PROBE + 1)]
+    while True:
+        k = probes[-1].blocks + 1
+        if k >= blocks:
+            return measure(spec, probe.replace(blocks=blocks))
+        probes.append(measure(spec, probe.replace(blocks=k)))
+        a, b, c = (p.peak_bytes for p in probes[-3:])
+        if abs((c - b) - (b - a)) <= SETTLED * max(abs(c - b), 1):
+            _SETTLED[key] = probes[-3].blocks
+            return extended(probes[-2], probes[-1], blocks)
+
+
+# --- this host, as a device ---------------------------------------------------------
+
+
+def this_machine(device: str, precision: str, size: int = 512) -> GPU:
+    """This host as the device the run's cells run on (`device`: the config's, auto
+    resolved as the cells resolve it), its GEMM measured in the cells' `precision`: its
+    first GPU (`_this_gpu`), or its CPU: a GEMM's rate on one thread, a copy's
+    bandwidth, and the time an op takes through torch's dispatcher (what small ops cost
+    here), each the best of several runs, and the cores its ranks share."""
+    if runtime.resolve_device_type(device) == "cuda":
+        return _this_gpu(precision)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+
+        def best(fn, runs: int = 7) -> float:
+            fn()
+            times = []
+            for _ in range(runs):
+                t0 = time.perf_counter()
+                fn()
+                times.append(time.perf_counter() - t0)
+            return min(times)
+
+        gemm = peak.gemm_flops_per_s(torch.device("cpu"), size, precision=precision)
+        x = torch.randn(64 * 2**20 // 4)  # 64 MiB: past the caches
+        y = torch.empty_like(x)
+        copy = 2 * x.numel() * 4 / best(lambda: y.copy_(x))
+        floor = _op_cost(best)
+    finally:
+        torch.set_num_threads(threads)
+    cores = envinfo.usable_cores()
+    return GPU(
+        gpus.THIS_MACHINE,
+        gemm,
+        gemm,
+        float(envinfo.available_memory() or 0),
+        copy,
+        f"this host's CPU, measured on one thread: {precision} GEMM {size}x{size}x{size} "
+        f"{gemm / 1e9:.1f} GFLOP/s, copy {copy / 1e9:.1f} GB/s, {floor * 1e6:.1f} us per "
+        f"op of a small model's training step (autograd and the optimizer included); "
+        f"{cores} cores shared by the ranks",
+        op_floor_s=floor,
+        cores=cores,
+    )
+
+
+def _op_cost(best) -> float:
+    """Seconds per op of a small model's whole training step on this host: its time
+    over its ops (counted as advise counts a rank's), what a step of small ops costs
+    here beyond their arithmetic (dispatch, autograd, the optimizer's loop)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*(m for _ in range(4) for m in (nn.Linear(64, 64), nn.GELU())))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    x = torch.randn(8, 64)
+
+    def step() -> None:
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    counting = Counting({})
+    with counting:
+        step()
+    return best(step) / max(1.0, counting.work.op_count())
+
+
+def _this_gpu(precision: str, size: int = 8192) -> GPU:
+    """The first GPU: a GEMM's rate in the cells' `precision` (fp32 with TF32 as this
+    process has it, which is the cells' setting: nothing here changes it, and each cell
+    records it) and a copy's bandwidth, measured; its memory; its datasheet peak and
+    attention's rate where `gpus.DEVICES` knows its name and the run is bf16 (the
+    datasheet's peak is BF16's), else the measured rate. Each rank has a GPU of its own:
+    no cores are shared (`cores` 0). Not run on a GPU yet: the first GPU run
+    (docs/examples/h200) did not ask for this-machine; tests/test_cuda_paths.py fakes
+    what it reads."""
+    if not torch.cuda.is_available():
+        raise gpus.GPUError(
+            "advise.gpu: this-machine measures the device the cells run on, and device is "
+            "cuda, but torch sees no GPU on this host"
+        )
+    dev = torch.device("cuda", 0)
+    name = torch.cuda.get_device_name(dev)
+    memory = torch.cuda.get_device_properties(dev).total_memory
+    gemm = peak.gemm_flops_per_s(dev, size, precision=precision)
+    copy = _copy_rate(dev)
+    torch.cuda.empty_cache()
+    arithmetic = precision
+    if precision == "fp32":
+        tf32 = torch.backends.cuda.matmul.allow_tf32
+        arithmetic = f"fp32 (TF32 {'on' if tf32 else 'off'}: matmul.allow_tf32, as the cells run)"
+    sheet = gpus.DEVICES.get(name)
+    if sheet and precision == "bf16":
+        peak_flops, attention, said = sheet.peak_flops, sheet.attention_flops, sheet.source
+    elif sheet:
+        peak_flops, attention = gemm, 0.0
+        said = "the measured rate: its datasheet's peak is BF16's, and the run is fp32"
+    else:
+        peak_flops, attention = gemm, 0.0
+        said = f"the measured rate: {name!r} is not in gpus.DEVICES"
+    return GPU(
+        gpus.THIS_MACHINE,
+        peak_flops,
+        gemm,
+        float(memory),
+        copy,
+        f"{name}, measured: {arithmetic} GEMM {size}^3 {gemm / 1e12:.1f} TFLOP/s, copy "
+        f"{copy / 1e9:.0f} GB/s; peak {peak_flops / 1e12:.1f} TFLOP/s ({said})",
+        attention_flops=attention,
+    )
+
+
+def _copy_rate(dev: torch.device) -> float:
+    """Bytes/s a 1 GiB device-to-device copy reads and writes, the best of five (CUDA
+    events); its tensors freed on return."""
+    x = torch.empty(2**30, dtype=torch.uint8, device=dev)
+    y = torch.empty_like(x)
+    y.copy_(x)
+    times = []
+    for _ in range(5):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        y.copy_(x)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return 2 * x.numel() / min(times)

@@ -1,0 +1,2 @@
+"""Before a run: `parabench doctor`, and the GPU run rehearsed on fake CUDA tensors
+(`parabench rehearse`)."""
