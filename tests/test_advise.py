@@ -19,6 +19,7 @@ import collections
 import dataclasses
 import json
 import math
+import re
 import subprocess
 import sys
 
@@ -236,6 +237,44 @@ def test_advise_writes_every_column_and_accounts_for_every_candidate(advised):
             (n, 1),
         }
     assert "advise llama N=8" in out
+
+
+def test_a_search_killed_halfway_leaves_the_rows_it_decided(advised, tmp_path):
+    """advise.csv is written as each layout's rows are decided: killed (SIGKILL, no
+    handler runs) once some are in, the table holds them, each as the full search
+    decided it, and the log said how far the search was."""
+    import signal
+    import time
+
+    cmd = [sys.executable, "-m", "parabench", "advise", "--config-json", json.dumps(CONFIG)]
+    proc = subprocess.Popen(
+        [*cmd, "--workers", "1", "--out", str(tmp_path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        cwd=REPO,
+    )
+    path, deadline = tmp_path / "advise.csv", time.monotonic() + 300
+    try:
+        while time.monotonic() < deadline and proc.poll() is None:
+            if path.exists() and (pd.read_csv(path)["status"] == "ok").sum() >= 3:
+                break
+            time.sleep(0.2)
+        assert proc.poll() is None, "the search ended before it could be cut off"
+        proc.send_signal(signal.SIGKILL)
+    finally:
+        proc.kill()
+        log = proc.communicate()[0]
+    partial, full = pd.read_csv(path), advised[0]
+    assert tuple(partial.columns) == ADVISE_COLUMNS
+    assert (partial["status"] == "ok").sum() >= 3 and len(partial) < len(full)
+    assert partial["rank"].isna().all()  # ranks come when the whole N is in
+    key = ["gpus", "layout", "micro_batch", "ac", "zero", "schedule"]
+    same = partial.merge(full, on=key, suffixes=("", "_full"), validate="one_to_one")
+    assert len(same) == len(partial)
+    for col in ("status", "step_s", "memory_bytes", "fits", "reason"):
+        assert same[col].astype(str).tolist() == same[col + "_full"].astype(str).tolist(), col
+    assert re.search(r"advise llama N=4: \d+/\d+ layouts, \d+ measured, \d+ s, about", log)
 
 
 def test_a_config_advise_cannot_use_is_refused_naming_its_key(tmp_path):

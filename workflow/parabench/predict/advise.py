@@ -464,6 +464,7 @@ def search(
     tokens: int,
     depth: int | None,
     pool=None,
+    decided: Callable[[list[dict], int, int], None] | None = None,
 ) -> list[dict]:
     """Every candidate of model `name` at n GPUs, as rows, ranked (module docstring).
 
@@ -477,7 +478,8 @@ def search(
     the same degrees: ZeRO-3 FSDP holds no more than ZeRO-2, HSDP or DDP, so where its
     lightest option does not fit, theirs are not measured. What is not measured is a
     row that says which measurement decided it. `pool`: a process pool the layouts are
-    searched in, side by side."""
+    searched in, side by side. `decided(rows, families done, families)` is called with
+    every row as soon as it is decided (unranked: ranks are given once all are in)."""
     rows: list[dict] = []
     families: dict[Candidate, list[Candidate]] = {}
     for c in candidates(name, facts, n, gpus_per_node, global_batch, depth):
@@ -506,27 +508,41 @@ def search(
         lay = fam.layout
         groups.setdefault((lay.pp, lay.tp, lay.dp), []).append(fam)
 
+    def tell(got: list[dict], families_done: int) -> None:
+        if decided is not None:
+            decided(got, families_done, len(families))
+
+    tell(rows, 0)  # the layouts that cannot run
+
     def run(fams: list[Candidate]) -> dict[Candidate, tuple[list[dict], bool]]:
-        args = [(families[f], facts, global_batch, tokens) for f in fams]
-        if pool is None:
-            return {f: _search_family(search, *a) for f, a in zip(fams, args, strict=True)}
-        futures = {
-            f: pool.submit(_family_job, search.for_family(families[f]), *a)
-            for f, a in zip(fams, args, strict=True)
-        }
+        args = {f: (families[f], facts, global_batch, tokens) for f in fams}
         out = {}
-        for f, fut in futures.items():
+        if pool is None:
+            for f in fams:
+                out[f] = _search_family(search, *args[f])
+                tell(out[f][0], len(done) + len(out))
+            return out
+        from concurrent.futures import as_completed
+
+        futures = {
+            pool.submit(_family_job, search.for_family(families[f]), *args[f]): f for f in fams
+        }
+        for fut in as_completed(futures):
             got, fits, new = fut.result()
             search.cache.update(new)
             search.measurements += len(new)
-            out[f] = (got, fits)
+            out[futures[fut]] = (got, fits)
+            tell(got, len(done) + len(out))
         return out
 
+    done: dict[Candidate, tuple[list[dict], bool]] = {}
     lightest = run([fams[0] for fams in groups.values()])
+    done.update(lightest)
     # the rest of a group, unless its lightest layout does not fit (None: it failed, so
     # nothing is known, and they are measured)
     rest = [f for fams in groups.values() if lightest[fams[0]][1] is not False for f in fams[1:]]
-    done = {**lightest, **run(rest)}
+    done.update(run(rest))
+    skipped = 0  # families not measured: a lighter one of theirs does not fit
     for fams in groups.values():
         first = fams[0]
         for fam in fams:
@@ -535,20 +551,23 @@ def search(
                 continue
             c0 = families[first][0]
             zero = {3: "ZeRO-3", 2: "ZeRO-2"}.get(c0.layout.zero, "")
-            for c in families[fam]:
-                rows.append(
-                    {
-                        **search.base(c, global_batch, tokens),
-                        "status": "inferred",
-                        "fits": False,
-                        "binding": "memory",
-                        "reason": (
-                            f"does not fit: holds at least what {c0.layout.parallelism} "
-                            f"{zero} holds, which does not fit at micro-batch 1 with full "
-                            "checkpointing (measured)"
-                        ),
-                    }
-                )
+            got = [
+                {
+                    **search.base(c, global_batch, tokens),
+                    "status": "inferred",
+                    "fits": False,
+                    "binding": "memory",
+                    "reason": (
+                        f"does not fit: holds at least what {c0.layout.parallelism} "
+                        f"{zero} holds, which does not fit at micro-batch 1 with full "
+                        "checkpointing (measured)"
+                    ),
+                }
+                for c in families[fam]
+            ]
+            rows += got
+            skipped += 1
+            tell(got, len(done) + skipped)
     ranked = sorted(
         (r for r in rows if r.get("status") == "ok" and r.get("fits")), key=lambda r: r["step_s"]
     )
@@ -596,7 +615,8 @@ def run(
     pool=None,
 ) -> list[dict]:
     """Advise on every model of the config's `advise` section at each of its GPU counts:
-    out/advise.csv, rewritten after each (model, N), so a crash loses none done before.
+    out/advise.csv, rewritten as each layout's rows are decided, so a search cut off
+    keeps every row it decided (unranked until its N is done).
     `pool`: processes the layouts are searched in (`pool`), None for this one alone."""
     from parabench.config import model_spec
 
@@ -627,11 +647,35 @@ def pool(workers: int):
         yield pool
 
 
+class _Progress:
+    """One (model, N)'s search as it goes: every row written out as soon as it is
+    decided (after the `before` rows), so a search cut off keeps them; a log line per
+    layout with the count done and an estimate of the time left."""
+
+    def __init__(self, what: str, search_: Search, params: int, before, out: Path, log):
+        self.what, self.search, self.params, self.before = what, search_, params, before
+        self.out, self.log = out, log
+        self.rows: list[dict] = []
+        self.t0, self.measured = time.perf_counter(), search_.measurements
+
+    def decided(self, got: list[dict], families_done: int, families: int) -> None:
+        self.rows += [{**r, "params": self.params} for r in got]
+        write(self.before + self.rows, self.out)
+        if families_done:
+            spent = time.perf_counter() - self.t0
+            left = spent / families_done * (families - families_done)
+            self.log(
+                f"{self.what}: {families_done}/{families} layouts, "
+                f"{self.search.measurements - self.measured} measured, {spent:.0f} s, "
+                f"about {left:.0f} s to go"
+            )
+
+
 def _advise_model(
     search_: Search, config: dict, name: str, pool, out: Path, done: list[dict], log
 ) -> list[dict]:
-    """Model `name`'s rows at each N (advise.csv rewritten after each); what fails, a
-    row that says why, and the next N goes on."""
+    """Model `name`'s rows at each N (advise.csv rewritten as each layout's are
+    decided); what fails, a row that says why, and the next N goes on."""
     from parabench import models
     from parabench.predict import fakerank
 
@@ -647,10 +691,20 @@ def _advise_model(
             if why or facts.problems:
                 raise ValueError(why or "; ".join(facts.problems))
             depth = fakerank.depth(spec)
-            found = search(
-                search_, name, facts, n, adv.get("gpus_per_node", 8), batch, tokens, depth, pool
-            )
             params = fakerank.parameters(spec)
+            progress = _Progress(f"advise {name} N={n}", search_, params, done + rows, out, log)
+            found = search(
+                search_,
+                name,
+                facts,
+                n,
+                adv.get("gpus_per_node", 8),
+                batch,
+                tokens,
+                depth,
+                pool,
+                progress.decided,
+            )
         except Exception as e:  # this (model, N) fails; the table keeps the rest
             rows.append({"model": name, "gpus": n, "status": "failed", "reason": _why(e)})
             write(done + rows, out)
@@ -663,7 +717,7 @@ def _advise_model(
             f"advise {name} N={n}: {search_.measurements - before} measured "
             f"[{time.perf_counter() - t0:.1f} s]; "
             + (
-                f"best {best[0]['layout']} ac {best[0]['ac']} micro {best[0]['micro_batch']}: "
+                f"best {best[0]['layout']}, micro {best[0]['micro_batch']}: "
                 f"{best[0]['step_s']:.3g} s/step"
                 if best
                 else "nothing fits"
