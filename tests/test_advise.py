@@ -277,6 +277,40 @@ def test_a_search_killed_halfway_leaves_the_rows_it_decided(advised, tmp_path):
     assert re.search(r"advise llama N=4: \d+/\d+ layouts, \d+ measured, \d+ s, about", log)
 
 
+def _advise_cli(tmp_path, *extra: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "parabench", "advise", "--config-json", json.dumps(CONFIG)]
+    return subprocess.run(
+        [*cmd, *extra, "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+    )
+
+
+def test_one_given_layout_is_priced_as_the_search_prices_it(advised, tmp_path):
+    """`--layout` prices what a user runs today (or a published run) without a search:
+    the same row the search gives that layout, on the GPUs its degrees make."""
+    proc = _advise_cli(tmp_path, "--layout", "fsdp 2 x tp 2, selective ac, micro 2")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    (row,) = pd.read_csv(tmp_path / "advise.csv").to_dict("records")
+    assert (row["gpus"], row["layout"], row["micro_batch"], row["accumulation"]) == (
+        4,
+        "FSDP 2 × TP 2, SP, selective AC",
+        2,
+        4,  # 16 samples over 2 data-parallel ranks, 2 at a time
+    )
+    table = advised[0]
+    found = table[(table["layout"] == row["layout"]) & (table["micro_batch"] == 2)]
+    if len(found) and found["status"].iloc[0] == "ok":  # the search measured it too
+        assert row["step_s"] == pytest.approx(found["step_s"].iloc[0])
+        assert row["memory_bytes"] == found["memory_bytes"].iloc[0]
+    assert row["status"] == "ok" and row["step_s"] > 0 and "fits" in proc.stdout
+    bad = _advise_cli(tmp_path / "bad", "--layout", "FSDP 2 x TP 2, micro 3")
+    assert bad.returncode == 2 and len(bad.stderr.splitlines()) == 1
+    assert bad.stderr.startswith("parabench advise: --layout: the global batch of 16")
+
+
 def test_a_config_advise_cannot_use_is_refused_naming_its_key(tmp_path):
     bad = {**CONFIG, "advise": {**CONFIG["advise"], "gpu": "h1000"}}
     proc = subprocess.run(

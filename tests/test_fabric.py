@@ -37,7 +37,10 @@ def parse_in_child(path: Path, timeout: float = 20) -> str:
     """Parse in a child process, so a regression fails at `timeout` rather than after
     minutes; a bound 100 times what linear reading takes (a few ms), so no busy
     machine trips it."""
-    code = "import sys; from parabench import fabric; print(fabric.parse_nccl_tests(sys.argv[1]))"
+    code = (
+        "import sys; from parabench.hardware import fabric; "
+        "print(fabric.parse_nccl_tests(sys.argv[1]))"
+    )
     try:
         proc = subprocess.run(
             [sys.executable, "-c", code, str(path)],
@@ -98,6 +101,25 @@ def test_a_mesh_dimension_is_priced_on_the_links_its_group_spans():
     # one rank per node: that rank's NIC alone, an eighth of a whole node's (8 per node)
     whole_nodes = h100.time("all_gather", 64, 1e9, span=64)
     inter = h100.tables["inter"]
-    assert whole_nodes == pytest.approx(inter.time("all_gather", 64, 1e9))
-    one_nic = inter.latency_s + 1e9 * (7 / 8) / (inter.busbw[0] / 8)
-    assert across == pytest.approx(one_nic)
+    assert whole_nodes == pytest.approx(fabric.nccl_time("all_gather", 64, 8, 1e9, inter))
+    one_nic = fabric.BusbwTable(inter.sizes, tuple(b / 8 for b in inter.busbw), 0.0)
+    assert across == pytest.approx(fabric.nccl_time("all_gather", 8, 8, 1e9, one_nic))
+    assert across == pytest.approx(1e9 * (7 / 8) / (inter.busbw[0] / 8), rel=0.01)
+
+
+def test_a_profiles_latency_grows_with_the_group_as_nccls_own_model_prices_it():
+    """NCCL's tuning model (tuning.cc): an 8-byte all-reduce within a node is a ring of
+    LL steps, 6.6 + 14 x 0.6 = 15 us; across 128 nodes a ring would take 2,046 steps, and
+    NCCL's tree (2 x (7 x 1 + 7 x 5) + 6.8 = 90.8 us) is what it runs; a ring
+    all-gather, the only algorithm it has, grows with the ranks."""
+    h100 = fabric.PROFILES["h100-nvlink-ndr400"]
+    assert h100.time("all_reduce", 8, 8) == pytest.approx(15.0e-6, rel=1e-3)
+    wide = h100.time("all_reduce", 1024, 8, span=1024)
+    assert wide == pytest.approx(
+        fabric.nccl_latency_s("all_reduce", 1024, 128, "tree", "LL"), rel=0.01
+    )
+    assert wide < fabric.nccl_latency_s("all_reduce", 1024, 128, "ring", "LL") / 10
+    small = [h100.time("all_gather", n, 8, span=n) for n in (8, 64, 1024)]
+    assert small[0] < small[1] < small[2] and small[2] > 1e-3  # a thousand steps
+    # bandwidth still rules large messages: within 2% of bytes over busbw
+    assert h100.time("all_reduce", 8, 1e9) == pytest.approx(1e9 * 2 * 7 / 8 / 460e9, rel=0.02)

@@ -132,7 +132,7 @@ def test_a_single_process_killed_by_a_signal_says_where_python_was(tmp_path):
     _, meta, _ = guarded(tmp_path, spec, "abort@tiny/single/n1/r0:rank=0:step=1")
     assert meta["status"] == "failed"
     assert meta["reason"].startswith(
-        "launcher killed by signal SIGABRT without a record; Python was at run/faults.py:"
+        "launcher killed by signal SIGABRT without a record; Python was at faults.py:"
     ), meta["reason"]
     assert meta["reason"].endswith(" in fire"), meta["reason"]
 
@@ -162,7 +162,7 @@ CELL_TIMEOUT = 120
             "tp",
             {"model": TINY_RES},
             "torchrun: rank 1 failed first (killed by signal SIGABRT) without a Python "
-            "exception; Python was at run/faults.py:",
+            "exception; Python was at faults.py:",
         ),
         ("hang", "tp", {"model": TINY_RES}, "rank 0: "),
         ("oom", "pipeline", {"model": MINE, "model_name": "mine"}, "OutOfMemoryError: injected"),

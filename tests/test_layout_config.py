@@ -191,3 +191,30 @@ def test_a_layout_labels_itself_and_says_what_is_wrong_naming_the_key():
     assert rec.layout.problem("fsdp_tp", 6, {"tp": 4}) == (
         "options.fsdp_tp.tp (4) does not divide 6 devices"
     )
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "FSDP 32 × TP 8, SP, full AC",
+        "FSDP 8 × TP 8 × PP 8, SP, ZeRO-2, 1F1B, full AC",
+        "HSDP 4×8 × PP 2, GPIPE",
+        "DDP 64, selective AC",
+        "TP 4, no SP",
+        "one device",
+    ],
+)
+def test_a_layout_reads_back_its_own_label(text):
+    from parabench.layout import Layout
+
+    assert Layout.parse(text).label == text
+    assert Layout.parse(text.lower().replace("×", "x")) == Layout.parse(text)
+
+
+def test_a_layout_people_write_wrong_is_refused_naming_the_key_and_the_part():
+    from parabench.layout import Layout
+
+    with pytest.raises(ValueError, match=r"--layout: cannot read 'FSDP 8 x QP 2'"):
+        Layout.parse("FSDP 8 x QP 2, full AC", "--layout")
+    with pytest.raises(ValueError, match=r"--layout.ac: must match"):
+        Layout.parse("FSDP 8, most AC", "--layout")

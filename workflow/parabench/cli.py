@@ -136,6 +136,11 @@ def _parser() -> argparse.ArgumentParser:
         help="also predict torchtitan's published runs: advise-torchtitan.csv",
     )
     adv.add_argument(
+        "--layout",
+        help="price this one layout instead of searching, as people write it: "
+        "'FSDP 32 x TP 8, full AC, micro 2' (its GPUs are its degrees' product)",
+    )
+    adv.add_argument(
         "--collectives", type=Path, help="collectives.csv, for fabric curves (default: results')"
     )
     adv.add_argument(
@@ -330,7 +335,7 @@ def preload(argv: list[str]) -> None:
 
             hf.preload(model)
     elif args.command == "collectives":
-        from parabench import collectives  # noqa: F401
+        from parabench.run import collectives  # noqa: F401
 
 
 def _run(spec: specs.RunSpec, out: Path) -> int:
@@ -578,6 +583,14 @@ def _advise(args: argparse.Namespace) -> int:
     from parabench.predict import advise
 
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.layout:
+        try:
+            advise.price(config, args.layout, gpu, fabric, args.out)
+        except ValueError as e:  # the layout or its micro-batch, named
+            print(f"parabench advise: {e}", file=sys.stderr)
+            return 2
+        print(f"advise: {args.out / 'advise.csv'} (gpu {gpu.name}, fabric {fabric.name})")
+        return 0
     from parabench import envinfo
 
     torchtitan = args.torchtitan or adv.get("torchtitan")

@@ -158,6 +158,51 @@ class Layout:
 
     # --- how people name it ---------------------------------------------------------------
 
+    @classmethod
+    def parse(cls, text: str, key: str = "layout") -> Layout:
+        """A layout as people write it, and as `label` writes it: its parts separated by
+        commas, its degrees by "x" or "×" ("FSDP 32 x TP 8, full AC", "HSDP 4x8 x PP 2,
+        1F1B, ZeRO-2", "DDP 64, no SP"); a ValueError naming `key` and the part it cannot
+        read. SP is on unless "no SP" says otherwise, as in the cells."""
+        degrees: dict[str, int] = {}
+        settings: dict = {}
+        for part in (p.strip() for p in text.split(",")):
+            low = part.lower()
+            if not part:
+                continue
+            if m := re.fullmatch(r"(\S+) ac|ac (\S+)", low):  # the level checked below
+                settings["ac"] = m.group(1) or m.group(2)
+            elif low in ("sp", "no sp"):
+                settings["sequence_parallel"] = low == "sp"
+            elif m := re.fullmatch(r"zero-?([023])", low):
+                settings["zero"] = int(m.group(1))
+            elif low in SCHEDULES:
+                settings["schedule"] = low
+            elif low == "one device":
+                continue
+            else:
+                for term in re.split(r"\s*[x×]\s*(?=[a-z])", low):
+                    m = re.fullmatch(r"(fsdp|ddp|tp|pp) (\d+)|hsdp (\d+)\s*[x×]\s*(\d+)", term)
+                    if not m:
+                        raise ValueError(
+                            f"{key}: cannot read {part!r} in {text!r} (as in "
+                            f"'FSDP 32 x TP 8, full AC')"
+                        )
+                    if m.group(1):
+                        dim = {"fsdp": "dp_shard", "ddp": "dp_replicate"}.get(
+                            m.group(1), m.group(1)
+                        )
+                        degrees[dim] = int(m.group(2))
+                    else:
+                        degrees["dp_replicate"], degrees["dp_shard"] = (
+                            int(m.group(3)),
+                            int(m.group(4)),
+                        )
+        layout = cls(**degrees, **settings)
+        if found := layout.problems(key):
+            raise ValueError("; ".join(found))
+        return layout
+
     @property
     def parallelism(self) -> str:
         """Its degrees as torchtitan's tables name them: FSDP 32 × TP 8, HSDP 4×8 ×
@@ -180,8 +225,8 @@ class Layout:
         """The whole layout in a line: "FSDP 32 × TP 8, SP, full AC", "FSDP 8, ZeRO-2",
         "DDP 4 × PP 2, 1F1B"."""
         parts = [self.parallelism]
-        if self.tp > 1 and self.sequence_parallel:
-            parts.append("SP")
+        if self.tp > 1:
+            parts.append("SP" if self.sequence_parallel else "no SP")
         if self.dp_shard > 1 and self.zero == 2:
             parts.append("ZeRO-2")
         if self.pp > 1:

@@ -184,6 +184,7 @@ ADVISE_COLUMNS = (
     "flops_per_gpu",
     "mfu",
     "binding",
+    "leaves_out",
     "comm_by_dim",
 )
 

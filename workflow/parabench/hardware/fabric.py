@@ -16,9 +16,16 @@ Three sources, each named with where its numbers come from:
 - a named profile (PROFILES): two levels, within a node and across nodes, from
   published figures, for N beyond one node.
 
-What none of them models: latency growing with N (a ring's 2(N-1) steps; NCCL switches
-to trees and NVLS at scale), and contention between jobs. At the message sizes training
-sends (megabytes and up) bandwidth dominates.
+A named profile's latency is NCCL's own cost model (`nccl_time`): for each algorithm
+NCCL can run the op with (a ring, or for an all-reduce a tree) and each protocol (LL,
+LL128, Simple), a latency that grows with the ring's steps or the tree's depth over the
+group's ranks and nodes, plus the bytes over that protocol's share of the busbw; the
+fastest is what NCCL picks. So data parallelism over 1,024 ranks is not free: a ring
+all-gather over them waits on about a thousand steps. The measured sources carry their
+latency at the counts they measured, and keep it beyond.
+
+What none of them models: NVLS and CollNet (switch-side reduction), PAT, and contention
+between jobs.
 """
 
 from __future__ import annotations
@@ -71,6 +78,87 @@ class BusbwTable:
         return self.latency_s + size * factor(op, n) / self.at(size)
 
 
+# NCCL's latency model, as NCCL itself prices an algorithm and protocol when it picks
+# one (NVIDIA/nccl src/graph/tuning.cc, ncclTopoTuneModel, at b6475625: baseLat and
+# hwLat, microseconds): a call's base latency, and each step's on NVLink within a node
+# and over the network between nodes. By (algorithm, protocol).
+_NCCL_BASE_US = {
+    ("tree", "LL"): 6.8,
+    ("tree", "LL128"): 14.0,
+    ("tree", "Simple"): 0.0,
+    ("ring", "LL"): 6.6,
+    ("ring", "LL128"): 14.0,
+    ("ring", "Simple"): 8.4,
+}
+_NCCL_NVLINK_US = {
+    ("tree", "LL"): 0.6,
+    ("tree", "LL128"): 1.25,
+    ("tree", "Simple"): 28.0,
+    ("ring", "LL"): 0.6,
+    ("ring", "LL128"): 1.9,
+    ("ring", "Simple"): 3.4,
+}
+_NCCL_NET_US = {
+    ("tree", "LL"): 5.0,
+    ("tree", "LL128"): 8.5,
+    ("tree", "Simple"): 28.0,
+    ("ring", "LL"): 2.7,
+    ("ring", "LL128"): 4.0,
+    ("ring", "Simple"): 14.0,
+}
+_NCCL_NET_OVERHEAD_US = 1.0  # a network post, each step of a ring across nodes (x3 Simple)
+
+
+def _nccl_busbw_share(algo: str, proto: str, op: str, nodes: int) -> float:
+    """The share of the links' busbw a protocol reaches (tuning.cc's refinements: LL
+    sends half its bytes as flags, LL128 8 in 128; a tree reaches 92% of a ring)."""
+    if algo == "ring":
+        if proto == "LL":
+            return 1 / 4 if nodes > 1 or op == "all_reduce" else 1 / 3
+        return 0.92 if proto == "LL128" else 1.0
+    tree = 0.92
+    if proto == "LL":
+        return tree / 3.8
+    if proto == "LL128":
+        return tree * (7 / 9 if nodes == 1 else 120 / 128)
+    return tree
+
+
+def nccl_latency_s(op: str, n: int, nodes: int, algo: str, proto: str) -> float:
+    """NCCL's latency of one call of `op` over n ranks on `nodes` nodes, by `algo` (ring
+    or tree) and `proto` (LL, LL128, Simple): tuning.cc's model."""
+    key = (algo, proto)
+    intra, inter = _NCCL_NVLINK_US[key], _NCCL_NET_US[key]
+    if algo == "tree":  # all-reduce: up and down a tree of nodes, a chain within each
+        depth = int(math.log2(nodes)) if nodes > 1 else 0
+        return (_NCCL_BASE_US[key] + 2 * ((n // nodes - 1) * intra + depth * inter)) * 1e-6
+    if op == "all_reduce":
+        steps, across = 2 * (n - 1), (2 * nodes if nodes > 1 else 0)
+    elif op in ("all_gather", "reduce_scatter", "all_to_all"):
+        steps, across = n - 1, nodes - 1
+    elif op in ("send", "recv"):
+        steps, across = 1, 1 if nodes > 1 else 0
+    else:  # broadcast
+        steps, across = n, nodes if nodes > 1 else 0
+    if nodes > 1:
+        intra = max(intra, _NCCL_NET_OVERHEAD_US * (3 if proto == "Simple" else 1))
+    return (_NCCL_BASE_US[key] + (steps - across) * intra + across * inter) * 1e-6
+
+
+def nccl_time(op: str, n: int, nodes: int, nbytes: float, table: BusbwTable) -> float:
+    """Seconds of one call as NCCL would run it: the fastest algorithm and protocol, each
+    its latency (nccl_latency_s) plus the bytes over its share of `table`'s busbw."""
+    size = max(nbytes, table.sizes[0])
+    moved = size * factor(op, n)
+    busbw = table.at(size)
+    algos = ("ring", "tree") if op == "all_reduce" else ("ring",)
+    return min(
+        nccl_latency_s(op, n, nodes, a, p) + moved / (busbw * _nccl_busbw_share(a, p, op, nodes))
+        for a in algos
+        for p in ("LL", "LL128", "Simple")
+    )
+
+
 @dataclass(frozen=True)
 class Fabric:
     """A source of collective times: `time(op, n, nbytes)` seconds per call."""
@@ -79,6 +167,8 @@ class Fabric:
     source: str  # where the numbers come from, for the report
     tables: dict  # level or (op curve, n) -> BusbwTable
     gpus_per_node: int = 0  # two-level profiles: ranks within a node
+    # a two-level profile's latency: NCCL's model (nccl_time), or its tables' own
+    nccl_latency: bool = False
 
     def time(self, op: str, n: int, nbytes: float, span: int | None = None) -> float:
         """Seconds of one call of `op` over `n` ranks; `span`: the consecutive ranks
@@ -89,7 +179,7 @@ class Fabric:
         if self.gpus_per_node:
             span = span or n
             if span <= self.gpus_per_node:
-                return self.tables["intra"].time(op, n, nbytes)
+                return self._level(op, n, 1, nbytes, self.tables["intra"])
             # The inter-node level is a whole node's: every GPU's NIC carries its share.
             # A group with fewer ranks per node (one, with tp 8 inside) drives only its
             # own ranks' NICs: that share of the bandwidth.
@@ -98,7 +188,7 @@ class Fabric:
             share = per_node / self.gpus_per_node
             if share < 1:
                 t = BusbwTable(t.sizes, tuple(b * share for b in t.busbw), t.latency_s)
-            return t.time(op, n, nbytes)
+            return self._level(op, n, max(1, n // per_node), nbytes, t)
         if "any" in self.tables:  # one table for every op (nccl-tests)
             return self.tables["any"].time(op, n, nbytes)
         curve = OPS[op].curve if op in OPS else "send_recv"
@@ -108,6 +198,11 @@ class Fabric:
         # the measured count itself, or the largest one below n (else the smallest)
         below = [c for c in counts if c <= n]
         return self.tables[(curve, below[-1] if below else counts[0])].time(op, n, nbytes)
+
+    def _level(self, op: str, n: int, nodes: int, nbytes: float, table: BusbwTable) -> float:
+        if self.nccl_latency:
+            return nccl_time(op, n, nodes, nbytes, table)
+        return table.time(op, n, nbytes)
 
 
 def from_curves(curves: pd.DataFrame, label: str = "this machine") -> Fabric:
@@ -214,9 +309,10 @@ def parse_nccl_tests(path: Path) -> Fabric:
     )
 
 
-def level(busbw_gbps: float, latency_us: float) -> BusbwTable:
-    """One level of a profile: a bus bandwidth (GB/s) at every size, and a latency."""
-    return BusbwTable((1.0, 2.0), (busbw_gbps * 1e9,) * 2, latency_us * 1e-6)
+def level(busbw_gbps: float) -> BusbwTable:
+    """One level of a profile: a bus bandwidth (GB/s) at every size; its latency is
+    NCCL's model's (nccl_time)."""
+    return BusbwTable((1.0, 2.0), (busbw_gbps * 1e9,) * 2, 0.0)
 
 
 # Named profiles: two levels, each from published figures (the sources say which).
@@ -227,19 +323,32 @@ PROFILES: dict[str, Fabric] = {
         "busbw 460 GB/s within a node (nccl-tests all_reduce_perf on 8x H100 SXM5: "
         "460-480 GB/s at large sizes), 400 GB/s across nodes for a group of whole nodes "
         "(eight NICs of 400 Gb/s = 50 GB/s each; H100 SXM with NVLink and IB NDR: "
-        "400-450 GB/s), a group with k ranks per node k x 50 GB/s; latency 15 and 30 us "
-        "(approximate)",
-        {"intra": level(460, 15), "inter": level(400, 30)},
+        "400-450 GB/s), a group with k ranks per node k x 50 GB/s; latency by NCCL's own "
+        "model (tuning.cc: ring and tree, per step over NVLink and the network)",
+        {"intra": level(460), "inter": level(400)},
         gpus_per_node=8,
+        nccl_latency=True,
+    ),
+    "h200-nvlink-ndr400": Fabric(
+        "h200-nvlink-ndr400",
+        "8x H200 SXM per node (HGX H200) over NVLink 4, nodes over InfiniBand NDR 400 Gb/s "
+        "per GPU: the same links as H100 SXM (NVIDIA's H200 datasheet: NVLink 900 GB/s, "
+        "as H100 SXM's; HGX H200 pairs each GPU with a 400 Gb/s ConnectX-7), so the "
+        "busbw of h100-nvlink-ndr400, not measured on H200: 460 GB/s within a node, 400 "
+        "across; latency by NCCL's own model (tuning.cc)",
+        {"intra": level(460), "inter": level(400)},
+        gpus_per_node=8,
+        nccl_latency=True,
     ),
     "a100-nvlink-hdr200": Fabric(
         "a100-nvlink-hdr200",
         "8x A100 SXM4 per node over NVLink 3, nodes over InfiniBand HDR 200 Gb/s per GPU: "
         "busbw 230 GB/s within a node (nccl-tests: 230-250 GB/s), 185 GB/s across nodes "
         "(about 8 x 25 GB/s less protocol overhead; a group with k ranks per node k/8 of it), "
-        "latency 15 and 30 us (approximate)",
-        {"intra": level(230, 15), "inter": level(185, 30)},
+        "latency by NCCL's own model (tuning.cc)",
+        {"intra": level(230), "inter": level(185)},
         gpus_per_node=8,
+        nccl_latency=True,
     ),
 }
 

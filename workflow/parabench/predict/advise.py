@@ -40,6 +40,7 @@ import contextlib
 import dataclasses
 import json
 import math
+import re
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -216,6 +217,22 @@ def predict(c: Candidate, m, gpu: GPU, fabric: Fabric, tokens_per_sample: int) -
     }
 
 
+def leaves_out(layout: Layout) -> str:
+    """What the prediction of `layout` leaves out, which a run of it may use (#46): said
+    on its row, so no figure is read as more than it is."""
+    out = [
+        "overlap (every collective priced exposed)",
+        "the caching allocator's reserve (the allocated peak is measured)",
+        "torch.compile's fusion",
+        "Float8 matmuls",
+    ]
+    if layout.tp > 1:
+        out.append("async TP")
+    if layout.pp > 1:
+        out.append("interleaved (virtual) stages")
+    return "; ".join(out)
+
+
 def binding(row: dict) -> str:
     """What limits the candidate: memory (it does not fit), else the larger of exposed
     communication and the bubble where it is a tenth of the step or more, else compute."""
@@ -328,6 +345,7 @@ class Search:
             "micro_batch": c.micro,
             "accumulation": c.accumulation,
             "device_memory_bytes": self.gpu.memory_bytes,
+            "leaves_out": leaves_out(c.layout),
         }
 
 
@@ -630,6 +648,63 @@ def run(
     for name in names:
         rows += _advise_model(searcher, config, name, pool, out, rows, log)
     write(rows, out)
+    return rows
+
+
+def candidate(text: str, model: str, global_batch: int, key: str = "--layout") -> Candidate:
+    """A candidate as a person writes it: a layout (layout.Layout.parse) and its
+    micro-batch ("FSDP 32 x TP 8, full AC, micro 2"; 1 when not said); the
+    accumulation is what the global batch leaves. A ValueError naming `key`."""
+    parts = [p.strip() for p in text.split(",")]
+    micro = [p for p in parts if re.fullmatch(r"micro(-batch)? \d+", p.lower())]
+    lay = Layout.parse(", ".join(p for p in parts if p not in micro), key)
+    m = int(micro[-1].split()[-1]) if micro else 1
+    if m < 1 or global_batch % (lay.dp * m):
+        raise ValueError(
+            f"{key}: the global batch of {global_batch} does not split into micro-batches "
+            f"of {m} over {lay.dp} data-parallel ranks"
+        )
+    return Candidate(model, lay.world, lay, m, global_batch // (lay.dp * m))
+
+
+def price(
+    config: dict, text: str, gpu: GPU, fabric: Fabric, out: Path, log: Callable = print
+) -> list[dict]:
+    """One given layout (`text`: a run's own, or a published one) priced for each model
+    of the config's `advise` section as the search prices a candidate: out/advise.csv,
+    a row per model."""
+    from parabench import models
+    from parabench.config import model_spec
+    from parabench.predict import fakerank
+
+    adv = config["advise"]
+    rows = []
+    for name in adv.get("models") or list(config["models"]):
+        entry = config["models"][name]
+        spec = model_spec(entry)
+        tokens = tokens_per_sample(spec)
+        batch, why = global_batch_of(adv, entry, tokens)
+        if why:
+            raise ValueError(why)
+        c = candidate(text, name, batch)
+        search_ = Search(
+            {name: spec},
+            gpu,
+            fabric,
+            adv.get("precision", "bf16"),
+            adv.get("optimizer", "adamw"),
+            log,
+        )
+        row = {**search_.row(c, models.facts(spec), batch, tokens)}
+        rows.append({**row, "params": fakerank.parameters(spec)})
+        write(rows, out)
+        log(
+            f"advise {name}: {c.layout.label}, micro {c.micro} x {c.accumulation} on "
+            f"{c.gpus} GPUs: {row.get('step_s', math.nan):.3g} s/step, "
+            f"{row.get('tokens_per_s_per_gpu', math.nan):,.0f} tokens/s/GPU, "
+            f"{row.get('memory_bytes', math.nan) / 2**30:.1f} GiB, "
+            + ("fits" if row.get("fits") else f"does not fit ({row.get('reason', '')})")
+        )
     return rows
 
 

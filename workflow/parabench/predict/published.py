@@ -70,7 +70,7 @@ def torchtitan_check(fabric: Fabric) -> dict:
     step_lo = t["tokens_per_gpu_step"] / t["tokens_per_s_per_gpu"][lo]
     # none hidden, at 8 GPUs either: the compute is the 8-GPU step less its comm
     step_hi, comm_lo, comm_hi = _retention(fabric, comm, step_lo, lo, hi)
-    line_rate = replace(fabric, tables={**fabric.tables, "inter": level(50, 30)})
+    line_rate = replace(fabric, tables={**fabric.tables, "inter": level(50)})
     step_nic, *_ = _retention(line_rate, comm, step_lo, lo, hi)
     published = t["tokens_per_s_per_gpu"][hi] / t["tokens_per_s_per_gpu"][lo]
     predicted = step_lo / step_hi

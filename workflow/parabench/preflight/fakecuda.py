@@ -36,7 +36,7 @@ from pathlib import Path
 
 from parabench.envinfo import nvidia_smi_gpus, torch_build
 
-SOURCE = Path(__file__).with_name("preflight/fakecuda.cpp")
+SOURCE = Path(__file__).with_name("fakecuda.cpp")
 
 
 class Unavailable(RuntimeError):

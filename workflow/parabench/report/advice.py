@@ -51,12 +51,12 @@ def _why(best: dict, usable: float, next_row: dict | None) -> str:
         else f", micro-batch {best['micro_batch']}"
     )
     text = (
-        f"{best['layout']} with {ac}{acc} is the fastest layout that fits: "
+        f"{best['layout']} ({ac}){acc} is the fastest layout that fits: "
         f"{_gib(best['memory_bytes'])} of the {_gib(usable)} usable"
     )
     if next_row:
         slower = next_row["step_s"] / best["step_s"] - 1
-        text += f"; the next ({next_row['layout']}, ac {next_row['ac']}) is {slower:.0%} slower"
+        text += f"; the next ({next_row['layout']}) is {slower:.0%} slower"
     return text + f"; its step is bound by {best['binding']}."
 
 
