@@ -293,7 +293,8 @@ def test_one_given_layout_is_priced_as_the_search_prices_it(advised, tmp_path):
     the same row the search gives that layout, on the GPUs its degrees make."""
     proc = _advise_cli(tmp_path, "--layout", "fsdp 2 x tp 2, selective ac, micro 2")
     assert proc.returncode == 0, proc.stderr[-2000:]
-    (row,) = pd.read_csv(tmp_path / "advise.csv").to_dict("records")
+    assert not (tmp_path / "advise.csv").exists(), "the search's table is not overwritten"
+    (row,) = pd.read_csv(tmp_path / "advise-layout.csv").to_dict("records")
     assert (row["gpus"], row["layout"], row["micro_batch"], row["accumulation"]) == (
         4,
         "FSDP 2 × TP 2, SP, selective AC",

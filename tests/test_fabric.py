@@ -110,7 +110,7 @@ def test_a_mesh_dimension_is_priced_on_the_links_its_group_spans():
 def test_a_profiles_latency_grows_with_the_group_as_nccls_own_model_prices_it():
     """NCCL's tuning model (tuning.cc): an 8-byte all-reduce within a node is a ring of
     LL steps, 6.6 + 14 x 0.6 = 15 us; across 128 nodes a ring would take 2,046 steps, and
-    NCCL's tree (2 x (7 x 1 + 7 x 5) + 6.8 = 90.8 us) is what it runs; a ring
+    NCCL's tree (6.8 + 2 x (7 x 0.6 + 7 x 5) = 85.2 us) is what it runs; a ring
     all-gather, the only algorithm it has, grows with the ranks."""
     h100 = fabric.PROFILES["h100-nvlink-ndr400"]
     assert h100.time("all_reduce", 8, 8) == pytest.approx(15.0e-6, rel=1e-3)

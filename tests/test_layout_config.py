@@ -198,7 +198,7 @@ def test_a_layout_labels_itself_and_says_what_is_wrong_naming_the_key():
     [
         "FSDP 32 × TP 8, SP, full AC",
         "FSDP 8 × TP 8 × PP 8, SP, ZeRO-2, 1F1B, full AC",
-        "HSDP 4×8 × PP 2, GPIPE",
+        "HSDP 4×8 × PP 2, ZeRO-2, GPipe",
         "DDP 64, selective AC",
         "TP 4, no SP",
         "one device",
@@ -218,3 +218,7 @@ def test_a_layout_people_write_wrong_is_refused_naming_the_key_and_the_part():
         Layout.parse("FSDP 8 x QP 2, full AC", "--layout")
     with pytest.raises(ValueError, match=r"--layout.ac: must match"):
         Layout.parse("FSDP 8, most AC", "--layout")
+    # a pipeline's FSDP is ZeRO-2, as the cells run it: said or not, never 3
+    assert Layout.parse("FSDP 4 x PP 2").zero == 2
+    with pytest.raises(ValueError, match=r"--layout.zero: a pipeline's FSDP"):
+        Layout.parse("FSDP 4 x PP 2, ZeRO-3", "--layout")

@@ -589,7 +589,7 @@ def _advise(args: argparse.Namespace) -> int:
         except ValueError as e:  # the layout or its micro-batch, named
             print(f"parabench advise: {e}", file=sys.stderr)
             return 2
-        print(f"advise: {args.out / 'advise.csv'} (gpu {gpu.name}, fabric {fabric.name})")
+        print(f"advise: {args.out / advise.LAYOUT_CSV} (gpu {gpu.name}, fabric {fabric.name})")
         return 0
     from parabench import envinfo
 

@@ -152,6 +152,11 @@ class Layout:
             out.append(f"{key}.zero: FSDP over dp_shard {self.dp_shard} shards (2 or 3), got 0")
         if not re.fullmatch(AC_PATTERN, str(self.ac)):
             out.append(f"{key}.ac: must match {AC_PATTERN}, got {self.ac!r}")
+        if self.settled and self.pp > 1 and self.dp_shard > 1 and self.zero == 3:
+            out.append(
+                f"{key}.zero: a pipeline's FSDP keeps its parameters to backward (ZeRO-2, as "
+                "the cells and torchtitan run it), got 3"
+            )
         if self.settled and self.pp > 1 and self.schedule not in SCHEDULES:
             out.append(f"{key}.schedule: must be one of {list(SCHEDULES)}, got {self.schedule!r}")
         return out
@@ -163,7 +168,8 @@ class Layout:
         """A layout as people write it, and as `label` writes it: its parts separated by
         commas, its degrees by "x" or "×" ("FSDP 32 x TP 8, full AC", "HSDP 4x8 x PP 2,
         1F1B, ZeRO-2", "DDP 64, no SP"); a ValueError naming `key` and the part it cannot
-        read. SP is on unless "no SP" says otherwise, as in the cells."""
+        read. SP is on unless "no SP" says otherwise, as in the cells; a pipeline's FSDP
+        is ZeRO-2, as the cells run it."""
         degrees: dict[str, int] = {}
         settings: dict = {}
         for part in (p.strip() for p in text.split(",")):
@@ -198,6 +204,8 @@ class Layout:
                             int(m.group(3)),
                             int(m.group(4)),
                         )
+        if degrees.get("pp", 1) > 1:  # a pipeline's FSDP: ZeRO-2 unless said otherwise
+            settings.setdefault("zero", 2)
         layout = cls(**degrees, **settings)
         if found := layout.problems(key):
             raise ValueError("; ".join(found))
@@ -230,7 +238,7 @@ class Layout:
         if self.dp_shard > 1 and self.zero == 2:
             parts.append("ZeRO-2")
         if self.pp > 1:
-            parts.append(self.schedule.upper())
+            parts.append({"gpipe": "GPipe"}.get(self.schedule, self.schedule.upper()))
         if self.ac != "none":
             parts.append(f"{self.ac} AC")
         return ", ".join(parts)

@@ -179,7 +179,7 @@ class RunSpec:
         return lay.replace(
             zero=3 if opts.get("reshard_after_forward", True) and lay.pp == 1 else 2,
             ac=self.ac,
-            sequence_parallel=bool(opts.get("sequence_parallel", False)),
+            sequence_parallel=bool(opts.get("sequence_parallel", True)),  # moot without tp
             schedule=opts.get("schedule", "1f1b"),
         )
 

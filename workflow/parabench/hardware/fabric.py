@@ -109,13 +109,16 @@ _NCCL_NET_US = {
 _NCCL_NET_OVERHEAD_US = 1.0  # a network post, each step of a ring across nodes (x3 Simple)
 
 
-def _nccl_busbw_share(algo: str, proto: str, op: str, nodes: int) -> float:
+def _nccl_busbw_share(algo: str, proto: str, op: str, n: int, nodes: int) -> float:
     """The share of the links' busbw a protocol reaches (tuning.cc's refinements: LL
-    sends half its bytes as flags, LL128 8 in 128; a tree reaches 92% of a ring)."""
+    sends half its bytes as flags, LL128 8 in 128, 0.7 with one rank per node; a tree
+    reaches 92% of a ring)."""
     if algo == "ring":
         if proto == "LL":
             return 1 / 4 if nodes > 1 or op == "all_reduce" else 1 / 3
-        return 0.92 if proto == "LL128" else 1.0
+        if proto == "LL128":
+            return 0.7 if n / nodes < 2 else 0.92
+        return 1.0
     tree = 0.92
     if proto == "LL":
         return tree / 3.8
@@ -147,13 +150,18 @@ def nccl_latency_s(op: str, n: int, nodes: int, algo: str, proto: str) -> float:
 
 def nccl_time(op: str, n: int, nodes: int, nbytes: float, table: BusbwTable) -> float:
     """Seconds of one call as NCCL would run it: the fastest algorithm and protocol, each
-    its latency (nccl_latency_s) plus the bytes over its share of `table`'s busbw."""
+    its latency (nccl_latency_s) plus the bytes over its share of `table`'s busbw (a
+    ring's bytes by nccl-tests' bus factor; a tree's all-reduce moves 2x the bytes at
+    its busbw, tuning.cc's ratio of 0.5). Left out of tuning.cc: the trees' correction
+    factors at medium sizes and the ring's latency plateau across nodes."""
     size = max(nbytes, table.sizes[0])
-    moved = size * factor(op, n)
     busbw = table.at(size)
     algos = ("ring", "tree") if op == "all_reduce" else ("ring",)
     return min(
-        nccl_latency_s(op, n, nodes, a, p) + moved / (busbw * _nccl_busbw_share(a, p, op, nodes))
+        nccl_latency_s(op, n, nodes, a, p)
+        + size
+        * (factor(op, n) if a == "ring" else 2.0)
+        / (busbw * _nccl_busbw_share(a, p, op, n, nodes))
         for a in algos
         for p in ("LL", "LL128", "Simple")
     )

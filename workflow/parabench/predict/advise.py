@@ -53,6 +53,7 @@ from parabench.predict.scaling import layout_comm
 from parabench.records import ADVISE_COLUMNS, write_rows
 from parabench.spec import ModelSpec
 
+LAYOUT_CSV = "advise-layout.csv"  # `--layout`'s rows
 MAX_PP = 16  # deeper pipelines need global batches beyond what training runs use
 MICRO_CAP = 16  # samples per micro-batch tried, at most
 AC_ORDER = ("none", "selective", "full")
@@ -512,7 +513,7 @@ def search(
                 {
                     "model": name,
                     "gpus": n,
-                    "layout": what.label,
+                    "layout": what.parallelism,  # its settings were never chosen
                     **what.degrees,
                     "status": status,
                     "reason": why,
@@ -664,15 +665,21 @@ def candidate(text: str, model: str, global_batch: int, key: str = "--layout") -
             f"{key}: the global batch of {global_batch} does not split into micro-batches "
             f"of {m} over {lay.dp} data-parallel ranks"
         )
-    return Candidate(model, lay.world, lay, m, global_batch // (lay.dp * m))
+    c = Candidate(model, lay.world, lay, m, global_batch // (lay.dp * m))
+    if lay.pp > 1 and lay.schedule == "1f1b" and c.accumulation < lay.pp:
+        raise ValueError(
+            f"{key}: 1F1B needs a micro-batch per stage: {c.accumulation} for {lay.pp} "
+            "stages (torch's Schedule1F1B refuses it)"
+        )
+    return c
 
 
 def price(
     config: dict, text: str, gpu: GPU, fabric: Fabric, out: Path, log: Callable = print
 ) -> list[dict]:
     """One given layout (`text`: a run's own, or a published one) priced for each model
-    of the config's `advise` section as the search prices a candidate: out/advise.csv,
-    a row per model."""
+    of the config's `advise` section as the search prices a candidate: a row per model,
+    in out/advise-layout.csv (advise.csv stays the search's)."""
     from parabench import models
     from parabench.config import model_spec
     from parabench.predict import fakerank
@@ -697,7 +704,7 @@ def price(
         )
         row = {**search_.row(c, models.facts(spec), batch, tokens)}
         rows.append({**row, "params": fakerank.parameters(spec)})
-        write(rows, out)
+        write_rows(out / LAYOUT_CSV, ADVISE_COLUMNS, rows)
         log(
             f"advise {name}: {c.layout.label}, micro {c.micro} x {c.accumulation} on "
             f"{c.gpus} GPUs: {row.get('step_s', math.nan):.3g} s/step, "
@@ -759,6 +766,7 @@ def _advise_model(
     rows: list[dict] = []
     for n in adv["gpus"]:
         t0, before = time.perf_counter(), search_.measurements
+        progress = None
         try:
             facts = models.facts(spec)
             tokens = tokens_per_sample(spec)
@@ -781,6 +789,7 @@ def _advise_model(
                 progress.decided,
             )
         except Exception as e:  # this (model, N) fails; the table keeps the rest
+            rows += progress.rows if progress else []  # what it decided before it failed
             rows.append({"model": name, "gpus": n, "status": "failed", "reason": _why(e)})
             write(done + rows, out)
             log(f"advise {name} N={n}: failed: {_why(e)}")

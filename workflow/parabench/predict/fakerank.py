@@ -278,12 +278,12 @@ class Counting(TorchDispatchMode):
         nothing, and a real rank's group counts them all. The ops of DTensor's common
         path (its sharding's redistributions) stay unseen (tests/test_parallelize.py
         finds none in the layouts it runs)."""
-        self.inside = True
+        was, self.inside = self.inside, True
         try:
             with self:
                 return handler(func, args, kwargs)
         finally:
-            self.inside = False
+            self.inside = was
 
     def _collective(self, func, name, args, kwargs, out) -> None:
         from torch.distributed._tools.fake_collectives import CollectiveOp, collective_ops

@@ -40,18 +40,13 @@ def _gib(x) -> str:
 
 def _why(best: dict, usable: float, next_row: dict | None) -> str:
     """The recommendation's reason, in one sentence."""
-    ac = {
-        "none": "no activation checkpointing",
-        "selective": "selective checkpointing",
-        "full": "full checkpointing",
-    }[best["ac"]]
     acc = (
         f", {best['accumulation']} micro-batches of {best['micro_batch']}"
         if best["accumulation"] > 1
         else f", micro-batch {best['micro_batch']}"
     )
     text = (
-        f"{best['layout']} ({ac}){acc} is the fastest layout that fits: "
+        f"{best['layout']}{acc} is the fastest layout that fits: "
         f"{_gib(best['memory_bytes'])} of the {_gib(usable)} usable"
     )
     if next_row:
@@ -83,7 +78,8 @@ def _sections(adv: pd.DataFrame) -> list[dict]:
             usable = usable_bytes(float(ok["device_memory_bytes"].iloc[0]))
         # one row per layout, checkpointing and micro-batch: a pipeline's two schedules
         # cost the same step, and the first listed stands for both
-        distinct = fits.drop_duplicates(["layout", "ac", "micro_batch", "zero"])
+        same = ["pp", "dp_replicate", "dp_shard", "tp", "ac", "micro_batch", "zero"]
+        distinct = fits.drop_duplicates(same)
         top = rows(distinct.head(1 + RUNNERS_UP))
         best = top[0] if top else None
         section = {

@@ -7,6 +7,8 @@ parameters are all-gathered; after its backward, gradients are reduce-scattered 
 averaged), so the optimizer steps on the local shard only. reshard_after_forward=True
 frees the gathered parameters after forward and gathers them again in backward (ZeRO-3);
 False keeps them from forward to backward (ZeRO-2-like: less communication, more memory).
+In bf16, FSDP2's mixed precision as torchtitan's and the layouts' (parallelize.fsdp_policy):
+bf16 parameters gathered and computed, gradients reduced in fp32, no autocast.
 
 Each all-gather and reduce-scatter is called inside a `launch` region (process/marks.py): on
 gloo the calls take the main thread 2-3 ms a step on its core (default mlp, 2 ranks),
@@ -17,6 +19,8 @@ keeps them: the work check reads FSDP's compute a few percent low.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch.distributed.fsdp import fully_shard
 
@@ -26,6 +30,7 @@ from parabench.process.data import Shard
 from parabench.process.runtime import Context
 from parabench.spec import RunSpec
 from parabench.strategies.base import Strategy, full_params, make_optimizer, train_step
+from parabench.strategies.parallelize import fsdp_policy
 
 
 class FullyShard(Strategy):
@@ -36,9 +41,10 @@ class FullyShard(Strategy):
         mesh = ctx.mesh()
         module = model.module.to(ctx.device)
         reshard = spec.option("reshard_after_forward")
+        mp = fsdp_policy(spec.precision)  # as the layouts' FSDP (strategies/parallelize.py)
         for block in model.blocks():  # one all-gather / reduce-scatter unit per block
-            fully_shard(block, mesh=mesh, reshard_after_forward=reshard)
-        fully_shard(module, mesh=mesh, reshard_after_forward=reshard)  # what is left
+            fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp)
+        fully_shard(module, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp)
         mark_launches(module)
         self.module = module
         self.opt = make_optimizer(module.parameters(), spec)
@@ -46,6 +52,9 @@ class FullyShard(Strategy):
     @property
     def shard(self) -> Shard:
         return Shard(self.ctx.rank, self.ctx.world_size)
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()  # FSDP's mixed precision casts the parameters
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         # Gradients are averaged over ranks (reduce-scatter), as in DDP.

@@ -101,20 +101,15 @@ def parallelize(
     if compile:  # 4. each block's forward, in place
         for block in blocks or [part]:
             block.forward = torch.compile(block.forward)
+    # torchtitan's mixed precision: FSDP's policy where it shards, else autocast
+    casts = precision == "bf16" and layout.dp_shard == 1
     root: nn.Module = part
     if stage is not None:
         from parabench.strategies.pipeline import InPrecision
 
-        root = InPrecision(stage.cut, precision, device or torch.device("cpu"))
+        root = InPrecision(stage.cut, precision, device or torch.device("cpu"), casts)
     root = _data_parallel(root, blocks, mesh, layout, precision, device, fake)  # 5.
-    return Parallel(
-        part,
-        root,
-        blocks,
-        split_loss,
-        autocast=precision == "bf16" and layout.dp_shard == 1,
-        stage=stage,
-    )
+    return Parallel(part, root, blocks, split_loss, autocast=casts, stage=stage)
 
 
 def _stage(model: Model, layout: Layout, mesh: NamedMesh, micro: int) -> Stage:
@@ -158,6 +153,15 @@ def apply_tp(part: nn.Module, mesh: NamedMesh, plan: dict) -> None:
     parallelize_module(part, mesh.get("tp"), styles(here))
 
 
+def fsdp_policy(precision: str) -> MixedPrecisionPolicy:
+    """FSDP2's mixed precision as torchtitan's default: in bf16, parameters gathered and
+    computed in bf16, gradients reduced in fp32, the optimizer stepping fp32 shards (and
+    no autocast); in fp32, none."""
+    if precision == "bf16":
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy()
+
+
 def _data_parallel(
     root: nn.Module,
     blocks: list[nn.Module],
@@ -171,9 +175,7 @@ def _data_parallel(
     dp_replicate; `root` as it was without data parallelism."""
     if layout.dp_shard > 1:
         dims = ("dp_replicate", "dp_shard") if layout.dp_replicate > 1 else ("dp_shard",)
-        mp = MixedPrecisionPolicy()
-        if precision == "bf16":
-            mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        mp = fsdp_policy(precision)
         dp_mesh, reshard = mesh.get(*dims), layout.zero == 3
         for block in blocks:
             fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp)

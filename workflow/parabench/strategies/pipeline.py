@@ -45,15 +45,19 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 class InPrecision(nn.Module):
     """A stage run in the cell's precision. The schedule calls the stage itself, so the
-    autocast context must live inside it; the output is cast to the compute dtype so
-    the next stage knows what it receives before anything runs."""
+    autocast context must live inside it (none where FSDP's mixed precision casts the
+    parameters: `cast` False); the output is cast to the compute dtype so the next
+    stage knows what it receives before anything runs."""
 
-    def __init__(self, stage: nn.Module, precision: str, device: torch.device) -> None:
+    def __init__(
+        self, stage: nn.Module, precision: str, device: torch.device, cast: bool = True
+    ) -> None:
         super().__init__()
         self.stage, self.precision, self.device = stage, precision, device
+        self.cast = cast
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        with autocast(self.precision, self.device):
+        with autocast(self.precision if self.cast else "fp32", self.device):
             return self.stage(x).to(DTYPES[self.precision])
 
 
