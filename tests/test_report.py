@@ -224,3 +224,13 @@ def test_the_ac_memory_sentence_is_a_bound_not_a_one_point_fit(peak_ac, says):
     row = {"saved_activation_bytes": 1500 - unsaved, "peak_memory_bytes": peak_ac}
     text = _saved_check(row, base)
     assert says in text and "expected" not in text, text
+
+
+def test_what_to_run_draws_the_recommendation_and_its_runners_up(tmp_path):
+    """#46 item 6: beside the table, memory per GPU by kind against the card and the
+    step by part, one bar each for the recommendation and its runners-up."""
+    html = build_report(tmp_path, advice=True)
+    section = html[html.index('id="what-to-run"') : html.index('id="advise-torchtitan"')]
+    pictures = re.findall(r'<img src="data:image/png;base64,[^"]+" alt="([^"]+)"', section)
+    assert pictures and all("memory per GPU by kind against the card" in p for p in pictures)
+    assert len(pictures) == section.count('class="callout good"')  # one per recommendation

@@ -22,11 +22,12 @@ import yaml
 from parabench.analyze import equivalence, fingerprint
 from parabench.catalog import CATALOG, LABELS, STRATEGIES
 from parabench.hardware.fabric import PROFILES
+from parabench.hardware.gpus import HEADROOM
 from parabench.predict import scaling
 from parabench.predict.published import torchtitan_check
 from parabench.report.advice import advice
 from parabench.report.answers import answers
-from parabench.report.figures import plots
+from parabench.report.figures import advice_picture, plots
 from parabench.report.loading import Results, row_anchor, rows
 from parabench.report.prose import comm_words, environment, headlines, outcome, why
 
@@ -45,6 +46,11 @@ def build_context(r: Results, config: dict) -> dict:
         if not of_strategy.empty:
             per_strategy[strat] = rows(of_strategy)
     diffs = s[s["rel_param_diff"].notna()]
+    advised, pictures = advice(r.advise, r.torchtitan, s), {}
+    for sec in advised["sections"]:  # the recommendation and its runners-up, drawn
+        if sec.get("best"):
+            sec["picture"] = f"advice-{sec['model']}-n{sec['gpus']}"
+            pictures[sec["picture"]] = advice_picture([sec["best"], *sec["runners"]], HEADROOM)
     return {
         "outcome": outcome(s, r.cells),
         "headlines": headlines(s, r.collectives),
@@ -57,7 +63,7 @@ def build_context(r: Results, config: dict) -> dict:
         "at_scale": at_scale(r),
         "plan_wanted": bool((config.get("plan") or {}).get("enabled")),
         "torchtitan": torchtitan_check(PROFILES["h100-nvlink-ndr400"]),
-        "advice": advice(r.advise, r.torchtitan, s),
+        "advice": advised,
         "advise_wanted": bool((config.get("advise") or {}).get("enabled")),
         # the curves at the largest message measured (64 MiB by default)
         "collectives_largest": rows(
@@ -89,7 +95,7 @@ def build_context(r: Results, config: dict) -> dict:
         "n_cells": len(r.cells),
         "n_ok": int((r.cells["status"] == "ok").sum()),
         "timed_steps": int((r.steps["phase"] == "timed").sum()) if len(r.steps) else 0,
-        "plots": plots(r),
+        "plots": {**plots(r), **pictures},
     }
 
 

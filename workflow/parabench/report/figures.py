@@ -351,3 +351,51 @@ def plan_plots(plan: pd.DataFrame) -> str:
     sns.move_legend(axes[1], "upper left", bbox_to_anchor=(1.01, 1), frameon=False)
     fig.suptitle(f"At scale — fabric: {ok['fabric'].iloc[0]}")
     return _png(fig)
+
+
+# advise.csv's memory at a rank's peak, by the tracker's categories (memory_bytes less
+# their sum: a pipeline's first stage's other micro-batches in flight, activations too)
+MEMORY_KINDS = {
+    "parameters": "param_bytes",
+    "gradients": "grad_bytes",
+    "optimizer state": "opt_bytes",
+    "activations": "act_bytes",
+    "temporaries": "temp_bytes",
+}
+
+
+def advice_picture(rows: list[dict], headroom: float) -> str:
+    """The recommendation and its runners-up at a glance (advise.csv's rows, best
+    first): memory per GPU by kind, measured, with the reserve the fit rule keeps free
+    (`headroom` of the card), against the card; and the predicted step by part."""
+    labels = [f"{int(r['rank'])}. {r['layout']}, micro {int(r['micro_batch'])}" for r in rows]
+    gib = 2**30
+    mem = pd.DataFrame(
+        {kind: [float(r.get(col) or 0) / gib for r in rows] for kind, col in MEMORY_KINDS.items()},
+        index=labels,
+    )
+    in_flight = [float(r["memory_bytes"]) / gib for r in rows] - mem.sum(axis=1)
+    mem["activations"] += in_flight.clip(lower=0)
+    card = float(rows[0]["device_memory_bytes"]) / gib
+    mem["reserve (kept free)"] = card * headroom
+    step = pd.DataFrame(
+        {
+            "compute": [r["compute_s"] - r["recompute_s"] for r in rows],
+            "recompute": [r["recompute_s"] for r in rows],
+            "communication (none hidden)": [r["comm_s"] for r in rows],
+            "bubble": [r["bubble_s"] for r in rows],
+        },
+        index=labels,
+    )
+    c = sns.color_palette("colorblind")
+    fig, axes = plt.subplots(1, 2, figsize=(12, 1.2 + 0.45 * len(rows)), sharey=True)
+    mem.plot.barh(stacked=True, ax=axes[0], color=[*c[:5], "#d0d0d0"], width=0.7)
+    axes[0].axvline(card, color="black", linewidth=1.2)
+    axes[0].text(card, -0.6, " the card", va="top", fontsize=9)
+    axes[0].set(xlabel="memory per GPU (GiB; measured, the reserve a tenth)", ylabel="")
+    step.plot.barh(stacked=True, ax=axes[1], color=[c[5], c[6], c[9], c[8]], width=0.7)
+    axes[1].set(xlabel="step (s; predicted)")
+    axes[0].invert_yaxis()
+    for ax in axes:
+        ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.25), ncol=3, frameon=False)
+    return _png(fig)
