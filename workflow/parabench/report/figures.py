@@ -387,6 +387,8 @@ def advice_picture(rows: list[dict], headroom: float) -> str:
         },
         index=labels,
     )
+    unit = "s" if step.sum(axis=1).max() >= 1 else "ms"  # legible ticks at either size
+    step *= 1 if unit == "s" else 1e3
     c = sns.color_palette("colorblind")
     fig, axes = plt.subplots(1, 2, figsize=(12, 1.2 + 0.45 * len(rows)), sharey=True)
     mem.plot.barh(stacked=True, ax=axes[0], color=[*c[:5], "#d0d0d0"], width=0.7)
@@ -394,7 +396,7 @@ def advice_picture(rows: list[dict], headroom: float) -> str:
     axes[0].text(card, -0.6, " the card", va="top", fontsize=9)
     axes[0].set(xlabel="memory per GPU (GiB; measured, the reserve a tenth)", ylabel="")
     step.plot.barh(stacked=True, ax=axes[1], color=[c[5], c[6], c[9], c[8]], width=0.7)
-    axes[1].set(xlabel="step (s; predicted)")
+    axes[1].set(xlabel=f"step ({unit}; predicted)")
     axes[0].invert_yaxis()
     for ax in axes:
         ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.25), ncol=3, frameon=False)
