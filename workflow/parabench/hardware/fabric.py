@@ -33,7 +33,7 @@ from __future__ import annotations
 import bisect
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -337,17 +337,6 @@ PROFILES: dict[str, Fabric] = {
         gpus_per_node=8,
         nccl_latency=True,
     ),
-    "h200-nvlink-ndr400": Fabric(
-        "h200-nvlink-ndr400",
-        "8x H200 SXM per node (HGX H200) over NVLink 4, nodes over InfiniBand NDR 400 Gb/s "
-        "per GPU: the same links as H100 SXM (NVIDIA's H200 datasheet: NVLink 900 GB/s, "
-        "as H100 SXM's; HGX H200 pairs each GPU with a 400 Gb/s ConnectX-7), so the "
-        "busbw of h100-nvlink-ndr400, not measured on H200: 460 GB/s within a node, 400 "
-        "across; latency by NCCL's own model (tuning.cc)",
-        {"intra": level(460), "inter": level(400)},
-        gpus_per_node=8,
-        nccl_latency=True,
-    ),
     "a100-nvlink-hdr200": Fabric(
         "a100-nvlink-hdr200",
         "8x A100 SXM4 per node over NVLink 3, nodes over InfiniBand HDR 200 Gb/s per GPU: "
@@ -359,6 +348,17 @@ PROFILES: dict[str, Fabric] = {
         nccl_latency=True,
     ),
 }
+
+
+# HGX H200 has H100 SXM's links (NVIDIA's H200 datasheet: NVLink 900 GB/s, as H100
+# SXM's; a 400 Gb/s ConnectX-7 per GPU): the same figures, not measured on H200.
+PROFILES["h200-nvlink-ndr400"] = replace(
+    PROFILES["h100-nvlink-ndr400"],
+    name="h200-nvlink-ndr400",
+    source="8x H200 SXM per node (HGX H200): the links and figures of h100-nvlink-ndr400 "
+    "(NVLink 4 at 900 GB/s, InfiniBand NDR 400 Gb/s per GPU), not measured on H200. "
+    + PROFILES["h100-nvlink-ndr400"].source,
+)
 
 
 def resolve(name_or_file: str, curves: pd.DataFrame | None = None) -> Fabric:

@@ -47,6 +47,7 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor as _DTENSOR
 from torch.distributed.tensor.parallel import loss_parallel
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -300,8 +301,6 @@ class Counting(TorchDispatchMode):
         entry["count"] += 1
         entry["bytes"] += nbytes
 
-
-from torch.distributed.tensor import DTensor as _DTENSOR  # noqa: E402
 
 # A fake tensor's device, asked of it through every mode (FakeTensor dispatches its
 # device): most of the ops a fake step dispatches (8,500 of 12,300 in a GPT-2 rank's
