@@ -651,3 +651,77 @@ def test_an_op_costs_its_roofline_bound_and_at_least_the_floor():
     # a profile without an attention rate prices attention at the matmul rate
     plain = dataclasses.replace(gpu, attention_flops=0.0)
     assert plain.op_time(1e12, 0.0, attention=True) == pytest.approx(1.0)
+
+
+# --- a rank derived at another data-parallel degree ------------------------------------
+
+# The small Llama at a sequence of 1,024: its activations, not its states, make its
+# peak, as in the models advise is for (at 64 the peak comes at the optimizer's step,
+# holding the gradients, which advise.Search then measures rather than derives).
+LONG = ModelSpec.of("hf", **{**LLAMA.size_dict(), "seq_len": 1024})
+
+
+@pytest.mark.parametrize(
+    "layout, precision",
+    [
+        (Layout(dp_shard=2, tp=2, ac="selective", sequence_parallel=True), "bf16"),
+        (Layout(dp_shard=2, zero=2, ac="full"), "bf16"),
+        (Layout(dp_shard=2), "fp32"),
+    ],
+    ids=["fsdp-tp-sp", "zero2", "fsdp-fp32"],
+)
+@pytest.mark.parametrize("replicas", [1, 2], ids=["fsdp", "hsdp"])
+def test_a_rank_derived_at_another_dp_shard_is_the_rank_measured_there(layout, precision, replicas):
+    """What advise derives of a rank at dp_shard 8 and 128 from its measurement at 2
+    (fakerank.at_shard), HSDP's from FSDP's, is what a measurement there finds: the
+    peak and its split to the byte, every phase's FLOPs and time, every collective's
+    bytes. At 128 FSDP pads (the key/value projections' 64 rows split 128 ways)."""
+    gpu = gpus.PROFILES["h100"]
+    probe = fakerank.Probe(layout, micro=2, precision=precision)
+    ref = fakerank.measure(LONG, probe)
+    assert fakerank.derivable(ref) and ref.shards
+    for shard in (8, 128):
+        at = layout.replace(dp_shard=shard, dp_replicate=replicas)
+        derived = fakerank.at_shard(ref, shard, replicas)
+        measured = fakerank.measure(LONG, probe.replace(layout=at))
+        assert derived.peak_bytes == measured.peak_bytes, shard
+        assert derived.by_category == measured.by_category
+        for phase in (fakerank.STEP, fakerank.RECOMPUTE, fakerank.OPTIMIZER):
+            assert derived.work.flops(phase) == pytest.approx(measured.work.flops(phase))
+            assert derived.work.seconds(gpu, phase) == pytest.approx(
+                measured.work.seconds(gpu, phase), rel=1e-6
+            )
+        assert _flat(derived.work.comm_by_dim) == pytest.approx(_flat(measured.work.comm_by_dim))
+    # the derivation moves what dp_shard splits, so the test can fail: from 2 to 128
+    # the optimizer's state shrinks 64-fold, less padding
+    assert derived.by_category["opt"] < ref.by_category["opt"] / 32
+
+
+def test_the_search_derived_from_reference_ranks_is_the_full_search():
+    """advise measures each rank shape once, at dp_shard 2 (advise.reference), and
+    derives every other data-parallel degree; a search that measures every candidate's
+    own rank decides the same: every row's status, fit, reason and rank, and its
+    figures. On a card small enough that memory decides."""
+    from parabench import models
+
+    facts = models.facts(LONG)
+    card = fakerank.measure(LONG, fakerank.Probe(Layout(dp_shard=8), micro=2)).peak_bytes
+    gpu = dataclasses.replace(gpus.PROFILES["h100"], memory_bytes=int(card / 0.9))
+    fabric = PROFILES["h100-nvlink-ndr400"]
+    tables = {}
+    for derive in (True, False):
+        search = advise.Search({"llama": LONG}, gpu, fabric, "bf16", "adamw", print, derive)
+        rows = advise.search(search, "llama", facts, 16, 4, 16, 1024, 4)
+        tables[derive] = pd.DataFrame(rows).set_index(
+            ["gpus", "layout", "micro_batch", "ac", "zero", "schedule"]
+        )
+        tables[derive, "steps"] = search.measurements
+    derived, full = tables[True], tables[False].loc[tables[True].index]
+    assert len(derived) == len(tables[False])
+    for col in ("status", "fits", "reason", "rank", "binding"):
+        assert derived[col].astype(str).tolist() == full[col].astype(str).tolist(), col
+    assert derived["rank"].eq(1).sum() == 1 and (derived["status"] == "inferred").any()
+    assert {False, True} <= set(derived["fits"].dropna())
+    for col in ("step_s", "memory_bytes", "comm_s", "compute_s", "mfu"):
+        pd.testing.assert_series_equal(derived[col], full[col], rtol=1e-6, check_names=False)
+    assert tables[True, "steps"] < tables[False, "steps"]

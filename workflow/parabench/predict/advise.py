@@ -27,8 +27,11 @@ Each is then, and says which:
   scaling.bubble_time. Then tokens per second per GPU and MFU.
 
 The search (`search`) measures what decides and infers the rest, each inferred row
-naming the measurement that decided it. Measurements are shared across N (a rank's
-shape does not depend on N), and layouts are searched in worker processes side by side.
+naming the measurement that decided it. A rank shape (its tp, stage, micro-batch,
+checkpointing and kind of data parallelism) is measured once, with FSDP's chunks over
+2 ranks (`reference`), and every other dp_shard, at every N, and HSDP's rank, derived
+from it (fakerank.at_shard: exact, tests/test_advise.py). Layouts are searched in
+worker processes side by side, those of one shape in one worker.
 
 results/advise.csv holds every candidate (columns: docs/results.md), the recommended
 one ranked 1: the fastest that fits.
@@ -154,6 +157,20 @@ def _probe(c: Candidate, precision: str, optimizer: str):
     return Probe(c.layout, micro=c.micro, precision=precision, optimizer=optimizer)
 
 
+def reference(probe):
+    """The probe whose measurement `probe`'s rank is derived from: with FSDP, the same
+    rank with its chunks over 2 ranks (fakerank.at_shard derives any larger dp_shard,
+    and HSDP from FSDP); with DDP, over 2 replicas (a replica holds and does the same
+    whatever their number, and all-reduces the whole gradient). So a rank shape is
+    measured once for every N and every data-parallel degree."""
+    lay = probe.layout
+    if lay.dp_shard > 1:
+        changes = {"dp_shard": 2, "dp_replicate": 1}
+    else:
+        changes = {"dp_replicate": min(lay.dp_replicate, 2)}
+    return probe.replace(layout=lay.replace(**changes))
+
+
 def stage_blocks(blocks: int, pp: int) -> int:
     """The blocks of a pipeline's largest stage."""
     return math.ceil(blocks / pp)
@@ -257,31 +274,56 @@ class Search:
         precision: str,
         optimizer: str,
         log: Callable[[str], None] = print,
+        derive: bool = True,
     ) -> None:
         self.specs, self.gpu, self.fabric = specs, gpu, fabric
         self.precision, self.optimizer, self.log = precision, optimizer, log
+        self.derive = derive  # False: every rank measured itself (the test of deriving)
         self.cache: dict = {}
-        self.measurements = 0
+        self.measurements = 0  # fake steps taken (fakerank.measure)
+        self.memo: list = []  # what a worker's copy takes in first (for_family)
 
     def for_family(self, cands: list[Candidate]) -> Search:
         """A copy to send to a worker: the measurements of these candidates' shapes
         only (a copy, so that sending it never meets the cache growing)."""
-        shapes = {(c.model, _probe(c, self.precision, self.optimizer)) for c in cands}
-        copy = Search(self.specs, self.gpu, self.fabric, self.precision, self.optimizer, self.log)
+        from parabench.predict import fakerank
+
+        probes = [(c.model, _probe(c, self.precision, self.optimizer)) for c in cands]
+        shapes = {*probes, *((m, reference(p)) for m, p in probes)}
+        copy = Search(
+            self.specs, self.gpu, self.fabric, self.precision, self.optimizer, self.log, self.derive
+        )
         copy.cache = {k: v for k, v in self.cache.items() if k[:2] in shapes}
+        models = {m for m, _ in shapes}
+        copy.memo = [fakerank.memo(self.specs[m], [p for n, p in shapes if n == m]) for m in models]
         return copy
 
     def measured(self, c: Candidate, blocks: int | None):
-        """The rank of `c` (its stage), measured or from the cache; an exception's text
-        where it failed."""
+        """The rank of `c` (its stage): derived from its reference's (`reference`),
+        measured once, or measured itself where the derivation does not hold
+        (fakerank.derivable); an exception's text where it failed."""
         from parabench.predict import fakerank
 
-        key = (c.model, _probe(c, self.precision, self.optimizer), blocks)
+        probe = _probe(c, self.precision, self.optimizer)
+        ref = reference(probe) if self.derive else probe
+        m = self._measured(c, ref, blocks)
+        if isinstance(m, str) or ref == probe:
+            return m
+        lay = probe.layout
+        if lay.dp_shard == 1:  # DDP: its replicas are alike
+            return m
+        if fakerank.derivable(m) or lay.dp_shard == ref.layout.dp_shard:
+            return fakerank.at_shard(m, lay.dp_shard, lay.dp_replicate)
+        return self._measured(c, probe, blocks)
+
+    def _measured(self, c: Candidate, probe, blocks: int | None):
+        from parabench.predict import fakerank
+
+        key = (c.model, probe, blocks)
         if key not in self.cache:
-            t0 = time.perf_counter()
+            t0, before = time.perf_counter(), fakerank.measurements()
             try:
                 spec = self.specs[c.model]
-                probe = key[1]
                 self.cache[key] = (
                     fakerank.at_blocks(spec, probe, blocks)
                     if blocks
@@ -289,10 +331,12 @@ class Search:
                 )
             except Exception as e:  # a row that says why, never a lost search
                 self.cache[key] = _why(e)
-            self.measurements += 1
-            self.log(
-                f"  measured {c.layout.label}, micro {c.micro}: {time.perf_counter() - t0:.1f} s"
-            )
+            if made := fakerank.measurements() - before:
+                self.measurements += made
+                self.log(
+                    f"  measured {probe.layout.label}, micro {c.micro}: {made} fake steps, "
+                    f"{time.perf_counter() - t0:.1f} s"
+                )
         return self.cache[key]
 
     def row(self, c: Candidate, facts, global_batch: int, tokens: int) -> dict:
@@ -465,12 +509,34 @@ def _search_family(
     return rows, (None if failed("full", micros[0]) else lightest)
 
 
-def _family_job(search: Search, cands: list[Candidate], facts, global_batch: int, tokens: int):
-    """_search_family in a worker: its rows, and what it measured (for the cache)."""
+def _families_job(
+    search: Search, fams: list[list[Candidate]], facts, global_batch: int, tokens: int
+):
+    """_search_family of each of `fams` in a worker, one after another: their rows and
+    whether their lightest options fit, what it measured (for the cache), and the fake
+    steps it took (fakerank.memo, for the searching process to remember)."""
+    from parabench.predict import fakerank
+
+    for got in search.memo:
+        fakerank.remember(got)
     before = set(search.cache)
-    rows, fits = _search_family(search, cands, facts, global_batch, tokens)
+    steps = fakerank.measurements()
+    found = [_search_family(search, cands, facts, global_batch, tokens) for cands in fams]
     new = {k: v for k, v in search.cache.items() if k not in before}
-    return rows, fits, new
+    probes = {(k[0], k[1]) for k in new}
+    memo = [
+        fakerank.memo(search.specs[m], [p for n, p in probes if n == m])
+        for m in {m for m, _ in probes}
+    ]
+    return found, new, memo, fakerank.measurements() - steps
+
+
+def _shape(fam: Candidate) -> tuple:
+    """What a family's ranks are measured as, whatever its pipeline and data-parallel
+    degrees (`reference`): families alike are searched in one worker, one after
+    another, so that each shape is measured once, not in two workers at once."""
+    lay = fam.layout
+    return (fam.model, lay.tp, lay.zero, lay.dp_shard > 1, lay.dp_replicate > 1)
 
 
 def search(
@@ -534,24 +600,38 @@ def search(
     tell(rows, 0)  # the layouts that cannot run
 
     def run(fams: list[Candidate]) -> dict[Candidate, tuple[list[dict], bool]]:
-        args = {f: (families[f], facts, global_batch, tokens) for f in fams}
+        args = (facts, global_batch, tokens)
         out = {}
         if pool is None:
             for f in fams:
-                out[f] = _search_family(search, *args[f])
+                out[f] = _search_family(search, families[f], *args)
                 tell(out[f][0], len(done) + len(out))
             return out
         from concurrent.futures import as_completed
 
+        from parabench.predict import fakerank
+
+        alike: dict[tuple, list[Candidate]] = {}
+        for f in fams:
+            alike.setdefault(_shape(f), []).append(f)
         futures = {
-            pool.submit(_family_job, search.for_family(families[f]), *args[f]): f for f in fams
+            pool.submit(
+                _families_job,
+                search.for_family([c for f in batch for c in families[f]]),
+                [families[f] for f in batch],
+                *args,
+            ): batch
+            for batch in alike.values()
         }
         for fut in as_completed(futures):
-            got, fits, new = fut.result()
+            found, new, memo, steps = fut.result()
             search.cache.update(new)
-            search.measurements += len(new)
-            out[futures[fut]] = (got, fits)
-            tell(got, len(done) + len(out))
+            for m in memo:
+                fakerank.remember(m)
+            search.measurements += steps
+            batch = futures[fut]
+            out.update(zip(batch, found, strict=True))
+            tell([r for rows, _ in found for r in rows], len(done) + len(out))
         return out
 
     done: dict[Candidate, tuple[list[dict], bool]] = {}

@@ -39,10 +39,12 @@ import contextlib
 import dataclasses
 import functools
 import itertools
+import math
 import sys
 import threading
 import time
 from collections.abc import Iterator
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -186,6 +188,11 @@ def _is_causal(func, args, kwargs) -> bool:
 ATTENTION = "attention"
 MATMUL = "matmul"
 MEMORY = "memory"
+# FSDP2's copy of this rank's chunks into its all-gather's buffer: what it moves is the
+# chunks (read, and written into the buffer's own slice), whose size dp_shard sets
+# (at_shard); not the whole buffer, an output of the op that it leaves to the gather.
+CHUNK = "chunk"
+_COPY_IN = "fsdp::all_gather_copy_in"
 
 
 Op = tuple[str, str, int, int]  # phase, kind, FLOPs, bytes moved
@@ -249,6 +256,10 @@ class Counting(TorchDispatchMode):
             out = func(*args, **kwargs)
         if collective:
             self._collective(func, name, args, kwargs, out)
+            return out
+        if name == _COPY_IN:
+            chunks = sum(_nbytes(_local(t)) for t in _tensors(args[0]))  # its inputs
+            self.work.ops[(self._phase(), CHUNK, 0, 2 * chunks)] += 1
             return out
         outs = _tensors(out) if moves else []
         if not outs:
@@ -341,6 +352,18 @@ _FREE = frozenset(
 # --- one measurement -------------------------------------------------------------------
 
 
+class Shard(NamedTuple):
+    """One FSDP parameter as FSDP2 shards it (`_fsdp_param.FSDPParam`): the rows of the
+    tensor it splits (dim 0 of the tp-local tensor), the elements in a row, and the bytes
+    per element of its sharded copy and of its optimizer state. Rank 0 holds the first
+    chunk, ceil(rows / dp_shard) rows (torch.chunk's), padded in its storage alike."""
+
+    rows: int
+    row_elements: int
+    param_bytes: int
+    opt_bytes: int
+
+
 @dataclasses.dataclass
 class Measured:
     """One rank's step at a shape and depth (see the module's docstring)."""
@@ -353,6 +376,11 @@ class Measured:
     saved_bytes: int = 0  # activations saved for backward when the forward ends
     block_saved_bytes: int = 0  # of which the repeated blocks saved (not the head's)
     extended_from: tuple[int, int] | None = None  # the depths it was extended from
+    # FSDP's sharded parameters, by shape (Shard: how many), and the dp_shard they were
+    # measured at: what `at_shard` derives another dp_shard's rank from
+    shards: dict[Shard, float] = dataclasses.field(default_factory=dict)
+    sharded_at: int = 1
+    derived_from: int = 0  # the dp_shard it was derived from (at_shard); 0: measured
 
 
 @contextlib.contextmanager
@@ -577,6 +605,9 @@ def total_tracker_class() -> type:
 def measure(spec: ModelSpec, probe: Probe) -> Measured:
     """One rank's step at `probe` (and `probe.blocks` blocks, where set) under fake
     tensors: its peak memory by category, its work and its collectives."""
+    key = (spec, probe)
+    if key in _MEASURED:
+        return _MEASURED[key]
     with rank(spec, probe) as r:
         tracker = _tracker_class()()
         tracker.track_external(r.module, r.optimizer)
@@ -584,9 +615,10 @@ def measure(spec: ModelSpec, probe: Probe) -> Measured:
         with tracker, counting:
             step(r, counting)
         peak = tracker.get_tracker_snapshot("peak")
+        shards = _shards(r.module, r.optimizer)
     at = next(iter(peak.values())) if peak else {}
     by = {str(getattr(k, "name", k)).lower(): int(v) for k, v in at.items() if k != "Total"}
-    return Measured(
+    _MEASURED[key] = Measured(
         int(at.get("Total", 0)),
         by,
         counting.work,
@@ -594,7 +626,146 @@ def measure(spec: ModelSpec, probe: Probe) -> Measured:
         len(r.model.blocks()),
         _saved(tracker),
         _saved(tracker, checkpointing.repeated(r.model.blocks())),
+        shards=shards,
+        sharded_at=probe.layout.dp_shard,
     )
+    return _MEASURED[key]
+
+
+# Each (spec, probe) measured in this process: a stage's depths are measured once for
+# every pipeline degree that extends from them (at_blocks). Read-only once made
+# (at_shard and extended copy). A search hands a worker what it needs of them and
+# takes back what the worker measured (`memo`, `remember`).
+_MEASURED: dict[tuple, Measured] = {}
+
+
+def memo(spec: ModelSpec, probes) -> tuple[dict, dict]:
+    """What this process measured of `spec` at the shapes of `probes` (any depth), and
+    the depths their shapes settled at (at_blocks): for `remember` in another."""
+    shapes = {p.replace(blocks=0) for p in probes}
+    return (
+        {k: v for k, v in _MEASURED.items() if k[0] == spec and k[1].replace(blocks=0) in shapes},
+        {k: v for k, v in _SETTLED.items() if k[0] == spec},
+    )
+
+
+def remember(got: tuple[dict, dict]) -> None:
+    """Take in measurements made elsewhere (`memo`)."""
+    _MEASURED.update(got[0])
+    _SETTLED.update(got[1])
+
+
+def measurements() -> int:
+    """How many fake steps this process holds (measured or remembered)."""
+    return len(_MEASURED)
+
+
+def _shards(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[Shard, float]:
+    """The rank's FSDP parameters by shape (Shard), read from FSDP2's own records of
+    how it split each; none where no module is FSDP-sharded (dp_shard 1)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    out: collections.Counter = collections.Counter()
+    for mod in module.modules():
+        if not isinstance(mod, FSDPModule):
+            continue
+        state = mod._get_fsdp_state()
+        groups = getattr(state, "_fsdp_param_groups", None)
+        if groups is None:  # torch before per-parameter meshes: one group or none
+            groups = [state._fsdp_param_group] if state._fsdp_param_group else []
+        for group in groups:
+            for fp in group.fsdp_params:
+                size, dim = fp._orig_size, fp.fsdp_placement.dim
+                if dim != 0:
+                    raise NotImplementedError(f"FSDP shards a parameter on dim {dim}")
+                rows = size[0] if len(size) else 1
+                local = fp.sharded_param.to_local()
+                opt = sum(
+                    t.element_size()
+                    for t in optimizer.state.get(fp.sharded_param, {}).values()
+                    if isinstance(t, torch.Tensor) and _local(t).numel() == local.numel() > 1
+                )
+                out[Shard(rows, size.numel() // max(rows, 1), local.element_size(), opt)] += 1
+    return dict(out)
+
+
+def at_shard(m: Measured, dp_shard: int, replicas: int = 1) -> Measured:
+    """The rank measured in `m` with FSDP sharding over `dp_shard` ranks instead of
+    `m.sharded_at`, and for HSDP, `replicas` of it. What a rank holds and does whatever
+    dp_shard (its activations, its matmuls, its unsharded copies, the buffers of its
+    collectives) is the same; what dp_shard splits is each parameter's chunk (Shard),
+    held all step:
+
+    - memory: the peak moves by the change in the sharded parameters and their
+      optimizer state. Sound where the peak holds no gradients (`derivable`): at any
+      moment the rank holds what it holds at the measured dp_shard less the sharded
+      states' change, the same at every moment, so the peak stays where it was;
+    - communication: the dp_shard dimension's gathered and reduced buffers with the
+      padded total (chunk x dp_shard);
+    - HSDP: FSDP's rank, which all-reduces each reduced chunk over the replicas (the
+      dp_replicate dimension), in place: the same memory and ops (tests/test_advise.py).
+
+    - work: the optimizer's ops, and FSDP's copies of the chunks into its all-gathers'
+      buffers (CHUNK), scale with the elements of the chunks;
+    - the unsharded copies the peak holds (parameters less their chunks: ZeRO-2's,
+      all of them) grow with FSDP's padding, as the model's padded total.
+
+    tests/test_advise.py holds derived ranks to measured ones."""
+    s0 = m.sharded_at
+    if (dp_shard == s0 or not m.shards) and replicas == 1:
+        return m
+
+    def total(s: int, per_row) -> float:
+        return sum(n * math.ceil(k.rows / s) * per_row(k) for k, n in m.shards.items())
+
+    d_param = total(dp_shard, lambda k: k.row_elements * k.param_bytes) - total(
+        s0, lambda k: k.row_elements * k.param_bytes
+    )
+    d_opt = total(dp_shard, lambda k: k.row_elements * k.opt_bytes) - total(
+        s0, lambda k: k.row_elements * k.opt_bytes
+    )
+    chunk = total(dp_shard, lambda k: k.row_elements) / total(s0, lambda k: k.row_elements)
+    padded = (dp_shard * total(dp_shard, lambda k: k.row_elements)) / (
+        s0 * total(s0, lambda k: k.row_elements)
+    )
+    ops: collections.Counter = collections.Counter()
+    for (phase, kind, flops, nbytes), n in m.work.ops.items():
+        if phase == OPTIMIZER or kind == CHUNK:
+            flops, nbytes = round(flops * chunk), round(nbytes * chunk)
+        ops[(phase, kind, flops, nbytes)] += n
+    comm = {
+        dim: {
+            op: {"count": e["count"], "bytes": e["bytes"] * (padded if dim == "dp_shard" else 1)}
+            for op, e in by_op.items()
+        }
+        for dim, by_op in m.work.comm_by_dim.items()
+    }
+    if replicas > 1:
+        reduced = comm["dp_shard"]["reduce_scatter"]
+        comm["dp_replicate"] = {
+            "all_reduce": {"count": reduced["count"], "bytes": reduced["bytes"] / dp_shard}
+        }
+    # the unsharded copies held at the peak: the parameters' bytes less their chunks
+    held = by_param = m.by_category.get("param", 0)
+    held -= total(s0, lambda k: k.row_elements * k.param_bytes)
+    d_held = max(held, 0) * (padded - 1)
+    by = dict(m.by_category)
+    by["param"] = int(by_param + d_param + d_held)
+    by["opt"] = int(by.get("opt", 0) + d_opt)
+    return dataclasses.replace(
+        m,
+        peak_bytes=int(m.peak_bytes + d_param + d_held + d_opt),
+        by_category=by,
+        work=Work(ops, comm),
+        sharded_at=dp_shard,
+        derived_from=s0,
+    )
+
+
+def derivable(m: Measured) -> bool:
+    """Whether `at_shard` holds for `m`: its peak holds no gradients (which appear over
+    the backward, so with another dp_shard the peak could fall at another moment)."""
+    return not m.by_category.get("grad", 0)
 
 
 def _saved(tracker, modules: list[nn.Module] | None = None) -> int:
@@ -648,6 +819,10 @@ def extended(low: Measured, high: Measured, blocks: int) -> Measured:
     cats = set(low.by_category) | set(high.by_category)
     by = {c: int(line(low.by_category.get(c, 0), high.by_category.get(c, 0))) for c in cats}
     work = Work(ops, comm)
+    shards = {
+        k: line(low.shards.get(k, 0), high.shards.get(k, 0))
+        for k in set(low.shards) | set(high.shards)
+    }
     return Measured(
         int(line(low.peak_bytes, high.peak_bytes)),
         by,
@@ -657,6 +832,8 @@ def extended(low: Measured, high: Measured, blocks: int) -> Measured:
         int(line(low.saved_bytes, high.saved_bytes)),
         int(line(low.block_saved_bytes, high.block_saved_bytes)),
         (low.blocks, high.blocks),
+        shards=shards,
+        sharded_at=high.sharded_at,
     )
 
 
