@@ -166,6 +166,7 @@ ADVISE_COLUMNS = (
     "reason",
     "rank",
     "memory_bytes",
+    "reserved_bytes",
     "memory_source",
     "param_bytes",
     "grad_bytes",
@@ -177,6 +178,7 @@ ADVISE_COLUMNS = (
     "compute_s",
     "recompute_s",
     "comm_s",
+    "comm_hidden_s",
     "bubble_s",
     "step_s",
     "samples_per_s_per_gpu",
@@ -199,6 +201,8 @@ TORCHTITAN_COLUMNS = (
     "published_memory_gib",
     "predicted_memory_gib",
     "memory_error",
+    "predicted_reserved_gib",
+    "reserved_error",
     "not_modelled",
 )
 

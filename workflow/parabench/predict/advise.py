@@ -22,9 +22,10 @@ Each is then, and says which:
 - **counted**: its ops' FLOPs and bytes, its collectives' bytes per mesh dimension;
 - **predicted, time**: compute, each op at the GPU's roofline (hardware/gpus.py); communication
   per mesh dimension at the fabric's time at its span (hardware/fabric.py, scaling.layout_comm),
-  none of it hidden, as the validated scaling model assumes (so an upper bound where
-  FSDP prefetches or DDP overlaps); a pipeline's bubble, (pp - 1)/m of its compute, as
-  scaling.bubble_time. Then tokens per second per GPU and MFU.
+  less what data parallelism's run under compute (FSDP's prefetched gathers, the
+  gradient reductions under the backward: predict/overlap.py's timeline; tensor
+  parallelism's and a pipeline's exposed); a pipeline's bubble, (pp - 1)/m of its
+  compute, as scaling.bubble_time. Then tokens per second per GPU and MFU.
 
 The search (`search`) measures what decides and infers the rest, each inferred row
 naming the measurement that decided it. A rank shape (its tp, stage, micro-batch,
@@ -57,6 +58,9 @@ from parabench.records import ADVISE_COLUMNS, write_rows
 from parabench.spec import ModelSpec
 
 LAYOUT_CSV = "advise-layout.csv"  # `--layout`'s rows
+# DistributedDataParallel's buckets: bucket_cap_mb's default, and its first bucket's
+# (torch.distributed._DEFAULT_FIRST_BUCKET_BYTES)
+DDP_BUCKET_BYTES, DDP_FIRST_BUCKET_BYTES = 25 * 2**20, 2**20
 MAX_PP = 16  # deeper pipelines need global batches beyond what training runs use
 MICRO_CAP = 16  # samples per micro-batch tried, at most
 AC_ORDER = ("none", "selective", "full")
@@ -186,9 +190,52 @@ def in_flight(c: Candidate) -> int:
     return min(lay.pp, c.accumulation) if lay.schedule == "1f1b" else c.accumulation
 
 
+def data_parallel(m, lay: Layout, fabric: Fabric, forward_s: float, backward_s: float):
+    """One micro-batch's data-parallel collectives under its compute (predict/overlap.py),
+    each call priced as layout_comm prices it; None where the rank has none, or runs
+    them once a step in a pipeline's schedule (its own timeline: not modelled)."""
+    from parabench.predict import overlap
+    from parabench.predict.scaling import spans
+
+    comm = m.work.comm_by_dim
+    if lay.pp > 1 or not (comm.get("dp_shard") or comm.get("dp_replicate")):
+        return None
+    deg, span = lay.degrees, spans(lay.degrees)
+
+    def call(dim: str, op: str) -> tuple[float, float]:
+        """(calls, seconds of one) of `op` over `dim` a micro-batch."""
+        e = comm.get(dim, {}).get(op, {})
+        if not e.get("count"):
+            return 0.0, 0.0
+        return e["count"], fabric.time(op, deg[dim], e["bytes"] / e["count"], span[dim])
+
+    gathers, gather = call("dp_shard", "all_gather")
+    reduces, reduce = call("dp_shard", "reduce_scatter")
+    replicas, all_reduce = call("dp_replicate", "all_reduce")
+    if not reduces and replicas:
+        # DDP: torch's DistributedDataParallel all-reduces its gradients in buckets as
+        # the backward fills them, the first of 1 MiB, the rest of bucket_cap_mb (25 MiB,
+        # its default); the fake rank (FSDP2's replicate of the whole model) issues one
+        # all-reduce of them all. The timeline takes them as alike.
+        nbytes = comm["dp_replicate"]["all_reduce"]["bytes"]
+        rest = max(nbytes - DDP_FIRST_BUCKET_BYTES, 0)
+        buckets = max(replicas, 1 + math.ceil(rest / DDP_BUCKET_BYTES))
+        replicas, all_reduce = (
+            buckets,
+            fabric.time("all_reduce", deg["dp_replicate"], nbytes / buckets, span["dp_replicate"]),
+        )
+    units = reduces or replicas  # FSDP's units, or DDP's buckets: one reduction each
+    measured = gathers * gather + reduces * reduce + replicas * all_reduce
+    t = overlap.micro_batch(
+        forward_s, backward_s, units, gather, reduce + all_reduce, gathers > units + 1
+    )
+    # the timeline's units stand for the measured calls: what it hides, of what was measured
+    return min(t.hidden_s, measured)
+
+
 def predict(c: Candidate, m, gpu: GPU, fabric: Fabric, tokens_per_sample: int) -> dict:
     """The step of candidate `c` from its rank's measurement `m` (fakerank.Measured)."""
-    from parabench.predict.fakerank import OPTIMIZER, RECOMPUTE, STEP
+    from parabench.predict.fakerank import FORWARD, OPTIMIZER, RECOMPUTE, STEP
 
     def seconds(phase: str) -> float:
         return m.work.seconds(gpu, phase)
@@ -198,6 +245,10 @@ def predict(c: Candidate, m, gpu: GPU, fabric: Fabric, tokens_per_sample: int) -
     recompute = seconds(RECOMPUTE) * slicing
     micro_s = seconds(STEP) * slicing + recompute
     compute = a * micro_s + seconds(OPTIMIZER) * slicing
+    forward = seconds(FORWARD) * slicing
+    hidden = a * (data_parallel(m, lay, fabric, forward, micro_s - forward) or 0.0)
+    if slicing > 1:  # no core is free for gloo's threads while the ranks compute
+        hidden = 0.0
     # Per micro-batch, as the rank measured, but a pipeline's schedule runs data
     # parallelism's gather and gradient sync once per step (layout.py): only tp's
     # collectives recur with every micro-batch there. Per step from here on.
@@ -208,7 +259,7 @@ def predict(c: Candidate, m, gpu: GPU, fabric: Fabric, tokens_per_sample: int) -
         }
         for d, ops in m.work.comm_by_dim.items()
     }
-    comm = layout_comm([comm_dims], fabric.time, lay.degrees, a)
+    comm = layout_comm([comm_dims], fabric.time, lay.degrees, a) - hidden
     p2p = 0.0
     if lay.pp > 1:  # fill and drain wait on one transfer per boundary, each way
         # neighbouring stages are a stage's dp x tp ranks apart: the link that spans
@@ -222,6 +273,7 @@ def predict(c: Candidate, m, gpu: GPU, fabric: Fabric, tokens_per_sample: int) -
         "compute_s": compute,
         "recompute_s": a * recompute,
         "comm_s": comm + p2p,
+        "comm_hidden_s": hidden,
         "comm_by_dim": json.dumps(comm_dims, sort_keys=True),
         "bubble_s": bubble,
         "step_s": step,
@@ -238,9 +290,10 @@ def predict(c: Candidate, m, gpu: GPU, fabric: Fabric, tokens_per_sample: int) -
 def leaves_out(layout: Layout) -> str:
     """What the prediction of `layout` leaves out, which a run of it may use (#46): said
     on its row, so no figure is read as more than it is."""
-    out = [
-        "overlap (every collective priced exposed)",
-        "the caching allocator's reserve (the allocated peak is measured)",
+    out = []
+    if layout.pp > 1:
+        out.append("overlap in the pipeline's schedule (data parallelism's priced exposed)")
+    out += [
         "torch.compile's fusion",
         "Float8 matmuls",
     ]
@@ -361,6 +414,8 @@ class Search:
         row.update(
             status="ok",
             memory_bytes=peak,
+            # the allocator's reserve over the peak, as its model replays the step
+            reserved_bytes=peak + max(m.reserved_bytes - m.peak_bytes, 0),
             memory_source=how,
             **{
                 f"{k}_bytes": m.by_category.get(k, 0)
@@ -926,6 +981,7 @@ def check_torchtitan(
             log(f"torchtitan {t['table']}: failed: {e}")
             continue
         predicted_gib = row.get("memory_bytes", math.nan) / 2**30
+        reserved_gib = row.get("reserved_bytes", math.nan) / 2**30
         rows.append(
             {
                 **row,
@@ -934,6 +990,9 @@ def check_torchtitan(
                 - 1,
                 "predicted_memory_gib": predicted_gib,
                 "memory_error": predicted_gib / t["memory_gib"] - 1,
+                # torchtitan reports the reserved peak: like against like
+                "predicted_reserved_gib": reserved_gib,
+                "reserved_error": reserved_gib / t["memory_gib"] - 1,
             }
         )
         log(

@@ -60,6 +60,7 @@ from parabench.layout import Layout
 from parabench.models import build
 from parabench.models.base import Model, fake_mode, quiet_fake
 from parabench.ops import BY_C10D
+from parabench.predict import allocator
 from parabench.process import runtime
 from parabench.process.runtime import NamedMesh
 from parabench.run import peak
@@ -196,9 +197,11 @@ _COPY_IN = "fsdp::all_gather_copy_in"
 
 
 Op = tuple[str, str, int, int]  # phase, kind, FLOPs, bytes moved
-# A micro-batch's forward and backward; a checkpointed block's forward again inside that
-# backward; the update.
-STEP, RECOMPUTE, OPTIMIZER = "step", "recompute", "optimizer"
+# A micro-batch's forward, and its backward; a checkpointed block's forward again inside
+# that backward; the update. STEP: the forward and the backward together.
+FORWARD, BACKWARD, RECOMPUTE, OPTIMIZER = "forward", "backward", "recompute", "optimizer"
+STEP = "step"
+_PHASES = {STEP: (FORWARD, BACKWARD)}
 
 
 @dataclasses.dataclass
@@ -210,10 +213,10 @@ class Work:
     comm_by_dim: dict[str, dict[str, dict[str, float]]] = dataclasses.field(default_factory=dict)
 
     def flops(self, phase: str | None = None) -> float:
-        return sum(f * n for (p, _, f, _), n in self.ops.items() if phase in (None, p))
+        return sum(f * n for (p, _, f, _), n in self.ops.items() if _in(p, phase))
 
     def op_count(self, phase: str | None = None) -> float:
-        return sum(n for (p, *_), n in self.ops.items() if phase in (None, p))
+        return sum(n for (p, *_), n in self.ops.items() if _in(p, phase))
 
     @property
     def recompute_flops(self) -> float:
@@ -224,8 +227,14 @@ class Work:
         return sum(
             n * gpu.op_time(flops, nbytes, kind == ATTENTION)
             for (p, kind, flops, nbytes), n in self.ops.items()
-            if phase in (None, p)
+            if _in(p, phase)
         )
+
+
+def _in(p: str, phase: str | None) -> bool:
+    """Whether an op booked under phase `p` counts in `phase` (None: all; STEP: the
+    forward and the backward)."""
+    return phase is None or p == phase or p in _PHASES.get(phase, ())
 
 
 class Counting(TorchDispatchMode):
@@ -235,7 +244,7 @@ class Counting(TorchDispatchMode):
         super().__init__()
         self.work = Work()
         self.dims = dims  # process group -> mesh dimension name
-        self.phase = STEP
+        self.phase = STEP  # the micro-batch's (forward or backward, as autograd says)
         self.inside = False  # in DTensor's dispatch of an op (see _dtensor_op)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -281,7 +290,12 @@ class Counting(TorchDispatchMode):
         return out
 
     def _phase(self) -> str:
-        return RECOMPUTE if checkpointing.recomputing() else self.phase
+        if checkpointing.recomputing():
+            return RECOMPUTE
+        if self.phase != STEP:
+            return self.phase
+        # in autograd's engine: the backward (a graph task runs)
+        return BACKWARD if torch._C._current_graph_task_id() != -1 else FORWARD
 
     def _handled(self, handler, func, args, kwargs):
         """A DTensor op that DTensor hands to a handler of its own (loss_parallel's
@@ -380,6 +394,10 @@ class Measured:
     # measured at: what `at_shard` derives another dp_shard's rank from
     shards: dict[Shard, float] = dataclasses.field(default_factory=dict)
     sharded_at: int = 1
+    # what CUDA's caching allocator would reserve by the step's end (allocator.replay
+    # of the tracker's events); extended and derived ranks keep the measured reserve
+    # over the peak
+    reserved_bytes: int = 0
     derived_from: int = 0  # the dp_shard it was derived from (at_shard); 0: measured
 
 
@@ -544,7 +562,21 @@ def _tracker_class() -> type:
     class PeakTracker(MemTracker):
         """torch's MemTracker keeping its step-wide peak only: its per-module peaks,
         which advise reads none of, cost a pass over every module after every op (a
-        third of a fake step). Its snapshots at each module's end of forward stay."""
+        third of a fake step). Its snapshots at each module's end of forward stay. It
+        logs every storage made, resized and freed, in order (`events`), for the
+        caching allocator's model (predict/allocator.py)."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.events: list[tuple[str, int, int]] = []
+
+        def _update_snap(self, u_type, winfo, old_mem_consumed=None, old_reftype=None):
+            super()._update_snap(u_type, winfo, old_mem_consumed, old_reftype)
+            kind = u_type.name
+            if kind == "ADD" or (kind == "SIZE" and winfo.mem_consumed > 0):
+                self.events.append(("malloc", id(winfo), winfo.mem_consumed))
+            elif kind in ("DEL", "SIZE"):
+                self.events.append(("free", id(winfo), 0))
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             # a device query (_DEVICE) makes no tensor and frees none: nothing to track,
@@ -628,6 +660,7 @@ def measure(spec: ModelSpec, probe: Probe) -> Measured:
         _saved(tracker, checkpointing.repeated(r.model.blocks())),
         shards=shards,
         sharded_at=probe.layout.dp_shard,
+        reserved_bytes=allocator.replay(tracker.events).peak_reserved,
     )
     return _MEASURED[key]
 
@@ -755,6 +788,7 @@ def at_shard(m: Measured, dp_shard: int, replicas: int = 1) -> Measured:
     return dataclasses.replace(
         m,
         peak_bytes=int(m.peak_bytes + d_param + d_held + d_opt),
+        reserved_bytes=int(m.reserved_bytes + d_param + d_held + d_opt),
         by_category=by,
         work=Work(ops, comm),
         sharded_at=dp_shard,
@@ -834,6 +868,11 @@ def extended(low: Measured, high: Measured, blocks: int) -> Measured:
         (low.blocks, high.blocks),
         shards=shards,
         sharded_at=high.sharded_at,
+        # the reserve over the peak as at the deeper depth: each block's allocations
+        # repeat the one before's, which the allocator's cached blocks serve (at a few
+        # blocks the reserve still absorbs what a block adds: not a line to extend)
+        reserved_bytes=int(line(low.peak_bytes, high.peak_bytes))
+        + max(high.reserved_bytes - high.peak_bytes, 0),
     )
 
 

@@ -166,12 +166,21 @@ def ranking(adv: pd.DataFrame, summary: pd.DataFrame) -> list[dict]:
                     "predicted_s": float(p["step_s"]),
                     "measured_s": float(row["step_time_s"]),
                     "error": float(p["step_s"]) / float(row["step_time_s"]) - 1,
+                    # the overlap model against the anatomy: the share of communication
+                    # that ran under compute, predicted and measured
+                    "predicted_hidden": _share(
+                        p.get("comm_hidden_s"), p.get("comm_s", 0) + p.get("comm_hidden_s", 0)
+                    ),
+                    "measured_hidden": _share(
+                        row.get("comm_s", 0) - row.get("comm_exposed_s", 0), row.get("comm_s")
+                    ),
                 }
             )
         if len(pairs) < 2:
             continue
         df = pd.DataFrame(pairs)
         rho = df["predicted_s"].rank().corr(df["measured_s"].rank())
+        both = df.dropna(subset=["predicted_hidden", "measured_hidden"])
         out.append(
             {
                 "model": model,
@@ -184,9 +193,24 @@ def ranking(adv: pd.DataFrame, summary: pd.DataFrame) -> list[dict]:
                 "measured_best": df.loc[df["measured_s"].idxmin(), "strategy"],
                 "spearman": None if math.isnan(rho) else rho,
                 "mape": float(df["error"].abs().mean()),
+                # how far the predicted hidden share is from the measured, on average
+                "hidden_gap": float(
+                    (both["predicted_hidden"] - both["measured_hidden"]).abs().mean()
+                )
+                if len(both)
+                else None,
             }
         )
     return out
+
+
+def _share(part, whole) -> float | None:
+    """part / whole where both are numbers and whole is positive (None otherwise)."""
+    try:
+        part, whole = float(part), float(whole)
+    except (TypeError, ValueError):
+        return None
+    return part / whole if whole > 0 and math.isfinite(part) else None
 
 
 def _options(row) -> dict:

@@ -382,7 +382,7 @@ def advice_picture(rows: list[dict], headroom: float) -> str:
         {
             "compute": [r["compute_s"] - r["recompute_s"] for r in rows],
             "recompute": [r["recompute_s"] for r in rows],
-            "communication (none hidden)": [r["comm_s"] for r in rows],
+            "exposed communication": [r["comm_s"] for r in rows],
             "bubble": [r["bubble_s"] for r in rows],
         },
         index=labels,
