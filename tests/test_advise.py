@@ -589,6 +589,33 @@ def test_data_parallel_communication_runs_under_compute_as_torch_schedules_it():
     assert advise.predict(piped, m, UNIT_GPU, UNIT_FABRIC, 0)["comm_hidden_s"] == 0
 
 
+@pytest.mark.parametrize("n", [8, 16, 64, 1024])
+@pytest.mark.parametrize("grads", [5e8, 4e9, 1.6e10])
+def test_what_hides_is_never_more_than_what_is_charged(n, grads):
+    """On a real fabric (latency, bandwidth by size), DDP's buckets and FSDP's units are
+    charged as the timeline prices them: the exposed communication is never negative,
+    and the step never shorter than its compute."""
+    fabric = PROFILES["h100-nvlink-ndr400"]
+    fwd_bwd = {
+        (fakerank.FORWARD, fakerank.MATMUL, 1e11, 0.0): 1,
+        (fakerank.BACKWARD, fakerank.MATMUL, 2e11, 0.0): 1,
+    }
+    cases = {
+        _candidate(dp_replicate=n): {"dp_replicate": {"all_reduce": {"count": 1, "bytes": grads}}},
+        _candidate(dp_shard=n, zero=3): {
+            "dp_shard": {
+                "all_gather": {"count": 66, "bytes": grads},
+                "reduce_scatter": {"count": 33, "bytes": 2 * grads},
+            }
+        },
+    }
+    for c, comm in cases.items():
+        m = _measured(fakerank.Work(collections.Counter(fwd_bwd), comm))
+        got = advise.predict(c, m, UNIT_GPU, fabric, 0)
+        assert got["comm_s"] >= 0 and got["comm_hidden_s"] >= 0, c.layout.label
+        assert got["step_s"] >= got["compute_s"], c.layout.label
+
+
 def test_ranks_sharing_cores_compute_in_turn():
     """A CPU profile's ranks share its cores: 2 ranks on 1 core take twice the compute
     (the optimizer and the recompute too); on 4 cores, each its own."""
@@ -715,9 +742,11 @@ LONG = ModelSpec.of("hf", **{**LLAMA.size_dict(), "seq_len": 1024})
 def test_a_rank_derived_at_another_dp_shard_is_the_rank_measured_there(layout, precision, replicas):
     """What advise derives of a rank at dp_shard 8 and 128 from its measurement at 2
     (fakerank.at_shard), HSDP's from FSDP's, is what a measurement there finds: the
-    peak and its split to the byte, every phase's FLOPs and time, every collective's
-    bytes. At 128 FSDP pads (the key/value projections' 64 rows split 128 ways)."""
-    gpu = gpus.PROFILES["h100"]
+    peak and its split to the byte, every phase's FLOPs, its time (every op's bytes,
+    no floor) to 0.1%, every collective's bytes. At 128 FSDP pads (the key/value
+    projections' 64 rows split 128 ways)."""
+    # no floor: every op's bytes count, however small (the small Llama's are all below it)
+    gpu = dataclasses.replace(gpus.PROFILES["h100"], op_floor_s=0.0)
     probe = fakerank.Probe(layout, micro=2, precision=precision)
     ref = fakerank.measure(LONG, probe)
     assert fakerank.derivable(ref) and ref.shards
@@ -729,8 +758,10 @@ def test_a_rank_derived_at_another_dp_shard_is_the_rank_measured_there(layout, p
         assert derived.by_category == measured.by_category
         for phase in (fakerank.STEP, fakerank.RECOMPUTE, fakerank.OPTIMIZER):
             assert derived.work.flops(phase) == pytest.approx(measured.work.flops(phase))
+            # per op, a model-wide chunk ratio: at 128, where only some parameters pad,
+            # the optimizer's time is 6e-5 off (the memory and the bytes sent exact)
             assert derived.work.seconds(gpu, phase) == pytest.approx(
-                measured.work.seconds(gpu, phase), rel=1e-6
+                measured.work.seconds(gpu, phase), rel=1e-3
             )
         assert _flat(derived.work.comm_by_dim) == pytest.approx(_flat(measured.work.comm_by_dim))
     # the derivation moves what dp_shard splits, so the test can fail: from 2 to 128
@@ -751,6 +782,7 @@ def test_the_search_derived_from_reference_ranks_is_the_full_search():
     fabric = PROFILES["h100-nvlink-ndr400"]
     tables = {}
     for derive in (True, False):
+        fakerank._MEASURED.clear()  # each search takes its own fake steps
         search = advise.Search({"llama": LONG}, gpu, fabric, "bf16", "adamw", print, derive)
         rows = advise.search(search, "llama", facts, 16, 4, 16, 1024, 4)
         tables[derive] = pd.DataFrame(rows).set_index(
@@ -763,6 +795,6 @@ def test_the_search_derived_from_reference_ranks_is_the_full_search():
         assert derived[col].astype(str).tolist() == full[col].astype(str).tolist(), col
     assert derived["rank"].eq(1).sum() == 1 and (derived["status"] == "inferred").any()
     assert {False, True} <= set(derived["fits"].dropna())
-    for col in ("step_s", "memory_bytes", "comm_s", "compute_s", "mfu"):
+    for col in ("step_s", "memory_bytes", "comm_s", "comm_hidden_s", "compute_s", "mfu"):
         pd.testing.assert_series_equal(derived[col], full[col], rtol=1e-6, check_names=False)
     assert tables[True, "steps"] < tables[False, "steps"]

@@ -190,14 +190,30 @@ def in_flight(c: Candidate) -> int:
     return min(lay.pp, c.accumulation) if lay.schedule == "1f1b" else c.accumulation
 
 
-def data_parallel(m, lay: Layout, fabric: Fabric, forward_s: float, backward_s: float):
-    """One micro-batch's data-parallel collectives under its compute (predict/overlap.py),
-    each call priced as layout_comm prices it; None where the rank has none, or runs
-    them once a step in a pipeline's schedule (its own timeline: not modelled)."""
+def collectives(m, lay: Layout) -> dict:
+    """A micro-batch's collectives by mesh dimension, as the run issues them: the fake
+    rank's, but DDP's gradients (FSDP2's `replicate` of the whole model there: one
+    all-reduce) in torch DistributedDataParallel's buckets, which it all-reduces as the
+    backward fills them: the first of 1 MiB, the rest of bucket_cap_mb (25 MiB, its
+    default), taken as alike."""
+    comm = m.work.comm_by_dim
+    ddp = comm.get("dp_replicate", {}).get("all_reduce")
+    if lay.dp_shard > 1 or not ddp or not ddp.get("count"):
+        return comm
+    rest = max(ddp["bytes"] - DDP_FIRST_BUCKET_BYTES, 0)
+    buckets = max(ddp["count"], 1 + math.ceil(rest / DDP_BUCKET_BYTES))
+    replicate = {**comm["dp_replicate"], "all_reduce": {"count": buckets, "bytes": ddp["bytes"]}}
+    return {**comm, "dp_replicate": replicate}
+
+
+def data_parallel(comm: dict, lay: Layout, fabric: Fabric, forward_s: float, backward_s: float):
+    """What of one micro-batch's data-parallel collectives (`comm`: `collectives`) runs
+    under its compute (predict/overlap.py), each call priced as layout_comm prices it,
+    so never more than it charges; None where the rank has none, or runs them once a
+    step in a pipeline's schedule (its own timeline: not modelled)."""
     from parabench.predict import overlap
     from parabench.predict.scaling import spans
 
-    comm = m.work.comm_by_dim
     if lay.pp > 1 or not (comm.get("dp_shard") or comm.get("dp_replicate")):
         return None
     deg, span = lay.degrees, spans(lay.degrees)
@@ -212,25 +228,13 @@ def data_parallel(m, lay: Layout, fabric: Fabric, forward_s: float, backward_s: 
     gathers, gather = call("dp_shard", "all_gather")
     reduces, reduce = call("dp_shard", "reduce_scatter")
     replicas, all_reduce = call("dp_replicate", "all_reduce")
-    if not reduces and replicas:
-        # DDP: torch's DistributedDataParallel all-reduces its gradients in buckets as
-        # the backward fills them, the first of 1 MiB, the rest of bucket_cap_mb (25 MiB,
-        # its default); the fake rank (FSDP2's replicate of the whole model) issues one
-        # all-reduce of them all. The timeline takes them as alike.
-        nbytes = comm["dp_replicate"]["all_reduce"]["bytes"]
-        rest = max(nbytes - DDP_FIRST_BUCKET_BYTES, 0)
-        buckets = max(replicas, 1 + math.ceil(rest / DDP_BUCKET_BYTES))
-        replicas, all_reduce = (
-            buckets,
-            fabric.time("all_reduce", deg["dp_replicate"], nbytes / buckets, span["dp_replicate"]),
-        )
     units = reduces or replicas  # FSDP's units, or DDP's buckets: one reduction each
-    measured = gathers * gather + reduces * reduce + replicas * all_reduce
+    charged = gathers * gather + reduces * reduce + replicas * all_reduce
     t = overlap.micro_batch(
         forward_s, backward_s, units, gather, reduce + all_reduce, gathers > units + 1
     )
-    # the timeline's units stand for the measured calls: what it hides, of what was measured
-    return min(t.hidden_s, measured)
+    # the timeline's units stand for the calls charged: what it hides, of what was charged
+    return min(t.hidden_s, charged)
 
 
 def predict(c: Candidate, m, gpu: GPU, fabric: Fabric, tokens_per_sample: int) -> dict:
@@ -246,7 +250,8 @@ def predict(c: Candidate, m, gpu: GPU, fabric: Fabric, tokens_per_sample: int) -
     micro_s = seconds(STEP) * slicing + recompute
     compute = a * micro_s + seconds(OPTIMIZER) * slicing
     forward = seconds(FORWARD) * slicing
-    hidden = a * (data_parallel(m, lay, fabric, forward, micro_s - forward) or 0.0)
+    issued = collectives(m, lay)
+    hidden = a * (data_parallel(issued, lay, fabric, forward, micro_s - forward) or 0.0)
     if slicing > 1:  # no core is free for gloo's threads while the ranks compute
         hidden = 0.0
     # Per micro-batch, as the rank measured, but a pipeline's schedule runs data
@@ -257,7 +262,7 @@ def predict(c: Candidate, m, gpu: GPU, fabric: Fabric, tokens_per_sample: int) -
             op: {k: v * (a if lay.pp == 1 or d == "tp" else 1) for k, v in e.items()}
             for op, e in ops.items()
         }
-        for d, ops in m.work.comm_by_dim.items()
+        for d, ops in issued.items()
     }
     comm = layout_comm([comm_dims], fabric.time, lay.degrees, a) - hidden
     p2p = 0.0
@@ -366,7 +371,10 @@ class Search:
         if lay.dp_shard == 1:  # DDP: its replicas are alike
             return m
         if fakerank.derivable(m) or lay.dp_shard == ref.layout.dp_shard:
-            return fakerank.at_shard(m, lay.dp_shard, lay.dp_replicate)
+            try:
+                return fakerank.at_shard(m, lay.dp_shard, lay.dp_replicate)
+            except ValueError as e:  # a row that says why
+                return _why(e)
         return self._measured(c, probe, blocks)
 
     def _measured(self, c: Candidate, probe, blocks: int | None):
@@ -409,6 +417,8 @@ class Search:
         if m.extended_from:
             lo, hi = m.extended_from
             how = f"measured at {lo} and {hi} blocks, extended to {m.blocks}"
+        if m.derived_from:
+            how += f"; derived from its rank with FSDP over {m.derived_from} (fakerank.at_shard)"
         if extra:
             how += f"; {in_flight(c) - 1} more micro-batches' saved activations in flight added"
         row.update(
@@ -591,7 +601,8 @@ def _shape(fam: Candidate) -> tuple:
     degrees (`reference`): families alike are searched in one worker, one after
     another, so that each shape is measured once, not in two workers at once."""
     lay = fam.layout
-    return (fam.model, lay.tp, lay.zero, lay.dp_shard > 1, lay.dp_replicate > 1)
+    sharded = lay.dp_shard > 1  # FSDP and HSDP: one reference
+    return (fam.model, lay.tp, lay.zero, sharded, not sharded and lay.dp_replicate > 1)
 
 
 def search(

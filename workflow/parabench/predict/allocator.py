@@ -52,7 +52,7 @@ def segment_bytes(size: int) -> int:
     return math.ceil(size / ROUND_LARGE) * ROUND_LARGE
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)  # a block is itself: found by identity in its segment
 class _Block:
     segment: int
     offset: int

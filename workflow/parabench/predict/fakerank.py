@@ -745,7 +745,9 @@ def at_shard(m: Measured, dp_shard: int, replicas: int = 1) -> Measured:
 
     tests/test_advise.py holds derived ranks to measured ones."""
     s0 = m.sharded_at
-    if (dp_shard == s0 or not m.shards) and replicas == 1:
+    if not m.shards and dp_shard > 1:
+        raise ValueError(f"at_shard: the rank at dp_shard {s0} has no FSDP shards to derive from")
+    if dp_shard == s0 and replicas == 1:
         return m
 
     def total(s: int, per_row) -> float:

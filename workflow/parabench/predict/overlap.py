@@ -9,7 +9,9 @@ FSDP2 wraps each block, and the root (embedding, norm, head), as a unit, and (to
   the GPU, and FSDP2 keeps one gather ahead), so it runs under this unit's compute;
 - backward, in reverse: with ZeRO-3 (reshard after forward) gathers each unit again,
   the next one's issued as this one's backward begins, except the last block's, which
-  torchtitan keeps gathered from its forward into the backward; after a unit's
+  torchtitan keeps gathered from its forward into the backward (where a rank gathers
+  it again, as parabench's cells do, advise prices that measured gather exposed);
+  after a unit's
   backward, reduce-scatters its gradients (HSDP: then all-reduces the reduced chunk
   over the replicas), under the next unit's backward;
 - DDP: all-reduces each bucket's gradients (bucket_cap_mb, 25 MiB by default) as the
