@@ -586,11 +586,12 @@ def _families_job(
         fakerank.remember(got)
     before = set(search.cache)
     steps = fakerank.measurements()
+    known = fakerank.steps_known()  # what was shipped in, or measured here before
     found = [_search_family(search, cands, facts, global_batch, tokens) for cands in fams]
     new = {k: v for k, v in search.cache.items() if k not in before}
     probes = {(k[0], k[1]) for k in new}
-    memo = [
-        fakerank.memo(search.specs[m], [p for n, p in probes if n == m])
+    memo = [  # only the steps taken for these families: the searching process has the rest
+        fakerank.memo(search.specs[m], [p for n, p in probes if n == m], known)
         for m in {m for m, _ in probes}
     ]
     return found, new, memo, fakerank.measurements() - steps

@@ -672,14 +672,24 @@ def measure(spec: ModelSpec, probe: Probe) -> Measured:
 _MEASURED: dict[tuple, Measured] = {}
 
 
-def memo(spec: ModelSpec, probes) -> tuple[dict, dict]:
-    """What this process measured of `spec` at the shapes of `probes` (any depth), and
-    the depths their shapes settled at (at_blocks): for `remember` in another."""
+def memo(spec: ModelSpec, probes, known: frozenset = frozenset()) -> tuple[dict, dict]:
+    """What this process measured of `spec` at the shapes of `probes` (any depth), less
+    the `known` ones (`steps_known`: what the other process already has), and the depths
+    their shapes settled at (at_blocks): for `remember` in another."""
     shapes = {p.replace(blocks=0) for p in probes}
     return (
-        {k: v for k, v in _MEASURED.items() if k[0] == spec and k[1].replace(blocks=0) in shapes},
+        {
+            k: v
+            for k, v in _MEASURED.items()
+            if k[0] == spec and k not in known and k[1].replace(blocks=0) in shapes
+        },
         {k: v for k, v in _SETTLED.items() if k[0] == spec},
     )
+
+
+def steps_known() -> frozenset:
+    """The fake steps this process holds, by key (for `memo`'s `known`)."""
+    return frozenset(_MEASURED)
 
 
 def remember(got: tuple[dict, dict]) -> None:
