@@ -131,6 +131,10 @@ def _parser() -> argparse.ArgumentParser:
     adv.add_argument("--global-tokens", type=int, help="tokens per step over all GPUs")
     adv.add_argument("--models", nargs="+", help="the models (default: the config's)")
     adv.add_argument(
+        "--compile", action="store_true", help="price the runs compiled (advise.compile)"
+    )
+    adv.add_argument("--float8", action="store_true", help="price Float8 linears (advise.float8)")
+    adv.add_argument(
         "--torchtitan",
         action="store_true",
         help="also predict torchtitan's published runs: advise-torchtitan.csv",
@@ -559,6 +563,8 @@ def _advise(args: argparse.Namespace) -> int:
             adv["global_batch" if args.global_batch else "global_tokens"] = (
                 args.global_batch or args.global_tokens
             )
+        for key in ("compile", "float8"):
+            adv[key] = adv.get(key) or getattr(args, key)
         if found := advise_problems(config, Path.cwd()):
             raise ConfigError("; ".join(found))
         curves = None
@@ -577,6 +583,8 @@ def _advise(args: argparse.Namespace) -> int:
             gpu = this_machine(config["device"], adv["precision"])
         else:
             gpu = resolve_gpu(adv["gpu"])
+        if adv["float8"] and not gpu.fp8_flops:
+            raise ConfigError(f"advise.float8: gpu {gpu.name!r} has no FP8 rate (fp8_flops)")
     except (ConfigError, FabricError, GPUError, OSError) as e:
         print(f"parabench advise: {e}", file=sys.stderr)
         return 2

@@ -395,6 +395,15 @@ def measures(ranks: Iterable[tuple[RunSpec, int]]) -> list[str]:
     return [f"{spec.path} rank {rank} {spec.config_hash()}" for spec, rank in ranks]
 
 
+def float8_refusal(device: str) -> str:
+    """Why the cells do not run Float8 on `device` (advise prices it)."""
+    if device == "cpu":
+        why = "a CPU has no FP8 matmul, and torchao's Float8 training runs on CUDA only"
+    else:
+        why = "the cells do not run torchao's Float8 training yet (torchao is no dependency)"
+    return f"{why}; advise prices Float8 on an FP8 GPU (advise.float8: true)"
+
+
 def problems(config: dict, workdir: Path | None = None) -> list[str]:
     """Rules the schema cannot express, each message naming the key. Empty = valid."""
     out: list[str] = []
@@ -418,6 +427,8 @@ def problems(config: dict, workdir: Path | None = None) -> list[str]:
         if extra["strategy"] not in STRATEGIES:
             out.append(f"also[{i}].strategy: unknown strategy {extra['strategy']!r}")
     out += _layout_problems(config, named)
+    if "float8" in axis(config, "precision"):
+        out.append(f"precision: float8: {float8_refusal(config.get('device', 'cpu'))}")
     if out:  # the cells cannot be planned: the plan's checks would plan them
         return out
     out += plan_problems(config, workdir)
@@ -524,7 +535,7 @@ def advise_problems(config: dict, workdir: Path | None = None) -> list[str]:
     adv = config.get("advise") or {}
     if not adv.get("enabled"):
         return []
-    from parabench.hardware.gpus import NAMES, problem
+    from parabench.hardware.gpus import NAMES, PROFILES, THIS_MACHINE, problem
 
     out = []
     for m in adv.get("models") or []:
@@ -536,6 +547,8 @@ def advise_problems(config: dict, workdir: Path | None = None) -> list[str]:
     if gpu not in NAMES and (why := problem(str(Path(workdir or ".") / gpu))):
         out.append(f"advise.gpu: {gpu!r}: {why}")
     out += fabric_problems("advise", adv.get("fabric", "h100-nvlink-ndr400"), config, workdir)
+    if adv.get("float8") and gpu in NAMES and gpu != THIS_MACHINE and not PROFILES[gpu].fp8_flops:
+        out.append(f"advise.float8: gpu {gpu!r} has no FP8 tensor cores (its profile's fp8_flops)")
     if "global_batch" in adv and "global_tokens" in adv:
         out.append("advise: give global_batch or global_tokens, not both")
     return out

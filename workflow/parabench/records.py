@@ -150,6 +150,8 @@ ADVISE_COLUMNS = (
     "fabric",
     "precision",
     "optimizer",
+    "compile",
+    "float8",
     "global_batch",
     "tokens_per_sample",
     "layout",
@@ -194,6 +196,7 @@ ADVISE_COLUMNS = (
 # runs (published.TORCHTITAN_TABLES) beside what it reported.
 TORCHTITAN_COLUMNS = (
     "table",
+    "run",
     "source",
     *ADVISE_COLUMNS,
     "published_tokens_per_s_per_gpu",

@@ -15,6 +15,8 @@ kernel's shortest run). Each figure says where it comes from:
   "achieving only 35% utilization on the H100 GPU" (FlashAttention-3, Shah et al. 2024,
   its abstract; PyTorch's SDPA runs FlashAttention-2 on H100), "50-73% of the
   theoretical maximum FLOPs/s on A100" (FlashAttention-2, Dao 2023: its lower end);
+- fp8: the achievable FP8 GEMM rate, what advise prices Float8 linears at (see _FP8);
+  none on an A100, which has no FP8 tensor cores;
 - bandwidth: the datasheet's. No authoritative achievable fraction was found, so
   memory-bound ops are priced at the peak: another reason predictions err fast.
 
@@ -27,7 +29,8 @@ default run's cells at.
 `fits` decides whether a rank's peak fits a device, for plan and advise alike.
 
 A user's own: a YAML or JSON file with the same keys (name, peak_flops,
-achievable_flops, memory_bytes, bandwidth, source; op_floor_s optional).
+achievable_flops, memory_bytes, bandwidth, source; op_floor_s, attention_flops and
+fp8_flops optional).
 """
 
 from __future__ import annotations
@@ -54,12 +57,18 @@ class GPU:
     attention_flops: float = 0.0  # FLOP/s of fused attention (0: the matmul rate)
     op_floor_s: float = 3e-6  # the shortest a kernel runs (launch and tail)
     cores: int = 0  # CPU profiles: the cores its ranks share (0: a device each)
+    fp8_flops: float = 0.0  # FLOP/s a large FP8 GEMM reaches (0: no FP8 tensor cores)
 
-    def op_time(self, flops: float, nbytes: float, attention: bool = False) -> float:
+    def op_time(
+        self, flops: float, nbytes: float, attention: bool = False, fp8: bool = False
+    ) -> float:
         """One op's seconds on this device: its roofline bound, at least the floor."""
-        rate = (
-            (self.attention_flops or self.achievable_flops) if attention else self.achievable_flops
-        )
+        if fp8:
+            rate = self.fp8_flops
+        elif attention:
+            rate = self.attention_flops or self.achievable_flops
+        else:
+            rate = self.achievable_flops
         return max(flops / rate, nbytes / self.bandwidth, self.op_floor_s)
 
 
@@ -72,6 +81,15 @@ _MAMF = (
     "Matmul FLOPS comparison table'"
 )
 
+# Hopper's dense FP8 rate is twice its BF16 one (1,979 against 989 TFLOP/s: NVIDIA's
+# H100 datasheet, halved from its with-sparsity figures). No MAMF table lists FP8, so
+# the achievable FP8 rate is the BF16 MAMF's share of peak at the FP8 peak: 1,589
+# TFLOP/s. A published FP8 GEMM of 8,192 cubed on an H800 SXM (H100's SMs and clocks)
+# ran at 1,507 TFLOP/s (tile-ai/tilelang, benchmark/matmul_fp8/README.md): 5% under.
+_FP8 = (
+    "FP8 1,589 TFLOP/s (the BF16 MAMF's 80.3% of the 1,979 TFLOP/s dense FP8 peak; "
+    "tilelang's FP8 GEMM at 8,192 cubed on H800 SXM: 1,507)"
+)
 _H100_SXM = "H100 SXM 80 GB HBM3 at 700 W: 989 TFLOP/s dense BF16, 3.35 TB/s (datasheet)"
 _H200_SXM = "H200 SXM 141 GB HBM3e: 989 TFLOP/s dense BF16, 4.8 TB/s (datasheet)"
 _A100_SXM_80 = "A100 SXM 80 GB HBM2e: 312 TFLOP/s dense BF16, 2,039 GB/s (datasheet)"
@@ -87,8 +105,9 @@ PROFILES: dict[str, GPU] = {
         81559 * MiB,
         3.35e12,
         f"{_H100_SXM}, 81,559 MiB (what the device reports); "
-        f"achievable 794.5 TFLOP/s ({_MAMF}: 80.3% of peak); {_FA2_H100}",
+        f"achievable 794.5 TFLOP/s ({_MAMF}: 80.3% of peak); {_FA2_H100}; {_FP8}",
         attention_flops=0.35 * 989e12,
+        fp8_flops=2 * 794.5e12,
     ),
     "h100-96gb-500w": GPU(
         "h100-96gb-500w",
@@ -99,8 +118,10 @@ PROFILES: dict[str, GPU] = {
         "H100 with 96 GB HBM2e at 2.4 TB/s and a 500 W power limit, as in torchtitan's "
         "benchmarks/llama3_h100_202412_torchtitan.md (which divides by the SXM peak, "
         f"989 TFLOP/s); achievable 794.5 TFLOP/s, the 700 W SXM's ({_MAMF}): the power "
-        f"limit lowers it by an amount no source states, so predictions err fast; {_FA2_H100}",
+        f"limit lowers it by an amount no source states, so predictions err fast; {_FA2_H100}; "
+        f"{_FP8}",
         attention_flops=0.35 * 989e12,
+        fp8_flops=2 * 794.5e12,
     ),
     "h200": GPU(
         "h200",
@@ -109,8 +130,9 @@ PROFILES: dict[str, GPU] = {
         143771 * MiB,
         4.8e12,
         f"{_H200_SXM}, 143,771 MiB (what the device reports); achievable 794.5 TFLOP/s "
-        f"({_MAMF}, which lists H200 as H100's compute); {_FA2_H100}",
+        f"({_MAMF}, which lists H200 as H100's compute); {_FA2_H100}; {_FP8}",
         attention_flops=0.35 * 989e12,
+        fp8_flops=2 * 794.5e12,
     ),
     "a100": GPU(
         "a100",
@@ -236,7 +258,7 @@ def from_file(path: Path) -> GPU:
         data = yaml.safe_load(text)
     fields = {f.name for f in dataclasses.fields(GPU)}
     need = {"name", "peak_flops", "achievable_flops", "memory_bytes", "bandwidth", "source"}
-    # optional: attention_flops, op_floor_s
+    # optional: attention_flops, op_floor_s, fp8_flops
     if not isinstance(data, dict) or (missing := sorted(need - set(data))):
         raise GPUError(f"{path}: a GPU profile needs {sorted(need)}; missing {missing}")
     if unknown := sorted(set(data) - fields):

@@ -190,13 +190,18 @@ def in_flight(c: Candidate) -> int:
     return min(lay.pp, c.accumulation) if lay.schedule == "1f1b" else c.accumulation
 
 
-def collectives(m, lay: Layout) -> dict:
+def collectives(m, lay: Layout, float8: bool = False) -> dict:
     """A micro-batch's collectives by mesh dimension, as the run issues them: the fake
     rank's, but DDP's gradients (FSDP2's `replicate` of the whole model there: one
     all-reduce) in torch DistributedDataParallel's buckets, which it all-reduces as the
     backward fills them: the first of 1 MiB, the rest of bucket_cap_mb (25 MiB, its
-    default), taken as alike."""
+    default), taken as alike. With Float8, FSDP gathers the blocks' linear weights at a
+    byte each (torchtitan's enable_fsdp_float8_all_gather), half their BF16 bytes."""
     comm = m.work.comm_by_dim
+    gathered = comm.get("dp_shard", {}).get("all_gather")
+    if float8 and gathered:
+        fp8 = {**gathered, "bytes": gathered["bytes"] * (1 - m.linear_share / 2)}
+        comm = {**comm, "dp_shard": {**comm["dp_shard"], "all_gather": fp8}}
     ddp = comm.get("dp_replicate", {}).get("all_reduce")
     if lay.dp_shard > 1 or not ddp or not ddp.get("count"):
         return comm
@@ -237,12 +242,21 @@ def data_parallel(comm: dict, lay: Layout, fabric: Fabric, forward_s: float, bac
     return min(t.hidden_s, charged)
 
 
-def predict(c: Candidate, m, gpu: GPU, fabric: Fabric, tokens_per_sample: int) -> dict:
-    """The step of candidate `c` from its rank's measurement `m` (fakerank.Measured)."""
+def predict(
+    c: Candidate,
+    m,
+    gpu: GPU,
+    fabric: Fabric,
+    tokens_per_sample: int,
+    compiled: bool = False,
+    float8: bool = False,
+) -> dict:
+    """The step of candidate `c` from its rank's measurement `m` (fakerank.Measured),
+    run eager or compiled, with BF16 or Float8 linears (fakerank.Work.seconds)."""
     from parabench.predict.fakerank import FORWARD, OPTIMIZER, RECOMPUTE, STEP
 
     def seconds(phase: str) -> float:
-        return m.work.seconds(gpu, phase)
+        return m.work.seconds(gpu, phase, compiled, float8)
 
     a, lay = c.accumulation, c.layout
     slicing = max(1.0, c.gpus / gpu.cores) if gpu.cores else 1.0  # ranks sharing cores
@@ -250,7 +264,7 @@ def predict(c: Candidate, m, gpu: GPU, fabric: Fabric, tokens_per_sample: int) -
     micro_s = seconds(STEP) * slicing + recompute
     compute = a * micro_s + seconds(OPTIMIZER) * slicing
     forward = seconds(FORWARD) * slicing
-    issued = collectives(m, lay)
+    issued = collectives(m, lay, float8)
     hidden = a * (data_parallel(issued, lay, fabric, forward, micro_s - forward) or 0.0)
     if slicing > 1:  # no core is free for gloo's threads while the ranks compute
         hidden = 0.0
@@ -292,18 +306,23 @@ def predict(c: Candidate, m, gpu: GPU, fabric: Fabric, tokens_per_sample: int) -
     }
 
 
-def leaves_out(layout: Layout) -> str:
+def leaves_out(layout: Layout, compiled: bool = False, float8: bool = False) -> str:
     """What the prediction of `layout` leaves out, which a run of it may use (#46): said
     on its row, so no figure is read as more than it is."""
     out = []
     if layout.pp > 1:
         out.append("overlap in the pipeline's schedule (data parallelism's priced exposed)")
-    out += [
-        "torch.compile's fusion",
-        "Float8 matmuls",
-    ]
+    out.append(
+        "compile's smaller activations (its memory is eager's)"
+        if compiled
+        else "torch.compile's fusion"
+    )
+    if not float8:
+        out.append("Float8 matmuls")
     if layout.tp > 1:
         out.append("async TP")
+        if float8:
+            out.append("Float8 in TP's collectives")
     if layout.pp > 1:
         out.append("interleaved (virtual) stages")
     return "; ".join(out)
@@ -333,9 +352,13 @@ class Search:
         optimizer: str,
         log: Callable[[str], None] = print,
         derive: bool = True,
+        compiled: bool = False,
+        float8: bool = False,
     ) -> None:
         self.specs, self.gpu, self.fabric = specs, gpu, fabric
         self.precision, self.optimizer, self.log = precision, optimizer, log
+        # how the runs are priced, not measured: one fake step prices every way
+        self.compiled, self.float8 = compiled, float8
         self.derive = derive  # False: every rank measured itself (the test of deriving)
         self.cache: dict = {}
         self.measurements = 0  # fake steps taken (fakerank.measure)
@@ -348,13 +371,25 @@ class Search:
 
         probes = [(c.model, _probe(c, self.precision, self.optimizer)) for c in cands]
         shapes = {*probes, *((m, reference(p)) for m, p in probes)}
-        copy = Search(
-            self.specs, self.gpu, self.fabric, self.precision, self.optimizer, self.log, self.derive
-        )
+        copy = self.priced(self.compiled, self.float8)
         copy.cache = {k: v for k, v in self.cache.items() if k[:2] in shapes}
         models = {m for m, _ in shapes}
         copy.memo = [fakerank.memo(self.specs[m], [p for n, p in shapes if n == m]) for m in models]
         return copy
+
+    def priced(self, compiled: bool, float8: bool) -> Search:
+        """A search pricing runs compiled or with Float8, with nothing measured yet."""
+        return Search(
+            self.specs,
+            self.gpu,
+            self.fabric,
+            self.precision,
+            self.optimizer,
+            self.log,
+            self.derive,
+            compiled,
+            float8,
+        )
 
     def measured(self, c: Candidate, blocks: int | None):
         """The rank of `c` (its stage): derived from its reference's (`reference`),
@@ -432,7 +467,7 @@ class Search:
                 for k in ("param", "grad", "opt", "act", "temp")
             },
             fits=gpus.fits(peak, self.gpu.memory_bytes),
-            **predict(c, m, self.gpu, self.fabric, tokens),
+            **predict(c, m, self.gpu, self.fabric, tokens, self.compiled, self.float8),
         )
         row["binding"] = binding(row)
         return row
@@ -445,6 +480,8 @@ class Search:
             "fabric": self.fabric.name,
             "precision": self.precision,
             "optimizer": self.optimizer,
+            "compile": self.compiled,
+            "float8": self.float8,
             "global_batch": global_batch,
             "tokens_per_sample": tokens,
             "layout": c.layout.label,
@@ -455,7 +492,7 @@ class Search:
             "micro_batch": c.micro,
             "accumulation": c.accumulation,
             "device_memory_bytes": self.gpu.memory_bytes,
-            "leaves_out": leaves_out(c.layout),
+            "leaves_out": leaves_out(c.layout, self.compiled, self.float8),
         }
 
 
@@ -789,14 +826,27 @@ def run(
     adv = config["advise"]
     names = adv.get("models") or list(config["models"])
     specs = {n: model_spec(config["models"][n]) for n in names}
-    searcher = Search(
-        specs, gpu, fabric, adv.get("precision", "bf16"), adv.get("optimizer", "adamw"), log
-    )
+    searcher = searching(specs, gpu, fabric, adv, log)
     rows: list[dict] = []
     for name in names:
         rows += _advise_model(searcher, config, name, pool, out, rows, log)
     write(rows, out)
     return rows
+
+
+def searching(specs: dict, gpu: GPU, fabric: Fabric, adv: dict, log: Callable) -> Search:
+    """The search the config's `advise` section asks for: its precision and optimizer
+    measured, its runs priced compiled or with Float8 where it says so."""
+    return Search(
+        specs,
+        gpu,
+        fabric,
+        adv.get("precision", "bf16"),
+        adv.get("optimizer", "adamw"),
+        log,
+        compiled=bool(adv.get("compile")),
+        float8=bool(adv.get("float8")),
+    )
 
 
 def candidate(text: str, model: str, global_batch: int, key: str = "--layout") -> Candidate:
@@ -841,14 +891,7 @@ def price(
         if why:
             raise ValueError(why)
         c = candidate(text, name, batch)
-        search_ = Search(
-            {name: spec},
-            gpu,
-            fabric,
-            adv.get("precision", "bf16"),
-            adv.get("optimizer", "adamw"),
-            log,
-        )
+        search_ = searching({name: spec}, gpu, fabric, adv, log)
         row = {**search_.row(c, models.facts(spec), batch, tokens)}
         rows.append({**row, "params": fakerank.parameters(spec)})
         write_rows(out / LAYOUT_CSV, ADVISE_COLUMNS, rows)
@@ -961,65 +1004,78 @@ def check_torchtitan(
     gpu: GPU, fabric: Fabric, log: Callable[[str], None] = print, pool=None
 ) -> list[dict]:
     """Each of torchtitan's published runs (published.TORCHTITAN_TABLES), its layout
-    measured and predicted as advise does any candidate, beside what it reported; the
-    runs side by side in `pool`'s processes where given."""
+    measured and predicted as advise does any candidate, compiled or with Float8 as
+    that run was, beside what it reported; a table's runs priced from one measurement,
+    the tables side by side in `pool`'s processes where given."""
     from parabench.config import model_spec
     from parabench.predict.published import TORCHTITAN_SOURCE, TORCHTITAN_TABLES, llama3_model
 
     specs = {t["model"]: model_spec(llama3_model(t["model"])) for t in TORCHTITAN_TABLES}
     searcher = Search(specs, gpu, fabric, "bf16", "adamw", log)
+    tables: dict[str, list[dict]] = {}
+    for t in TORCHTITAN_TABLES:
+        tables.setdefault(t["table"], []).append(t)
     futures = {
-        t["table"]: pool.submit(_torchtitan_row, searcher, specs[t["model"]], t)
-        for t in (TORCHTITAN_TABLES if pool else ())
+        name: pool.submit(_torchtitan_rows, searcher, specs[runs[0]["model"]], runs)
+        for name, runs in (tables.items() if pool else ())
     }
     rows = []
-    for t in TORCHTITAN_TABLES:
-        published = {
-            "table": t["table"],
-            "source": TORCHTITAN_SOURCE,
-            "model": t["model"],
-            "gpus": t["gpus"],
-            "published_tokens_per_s_per_gpu": t["tokens_per_s_per_gpu"],
-            "published_memory_gib": t["memory_gib"],
-            "not_modelled": t["not_modelled"],
-        }
+    for name, runs in tables.items():
         try:
-            if fut := futures.get(t["table"]):
-                row = fut.result()
+            if fut := futures.get(name):
+                got = fut.result()
             else:
-                row = _torchtitan_row(searcher, specs[t["model"]], t)
-        except Exception as e:  # transformers missing, say: a row that says so
-            rows.append({**published, "status": "failed", "reason": _why(e)})
-            log(f"torchtitan {t['table']}: failed: {e}")
-            continue
-        predicted_gib = row.get("memory_bytes", math.nan) / 2**30
-        reserved_gib = row.get("reserved_bytes", math.nan) / 2**30
-        rows.append(
-            {
-                **row,
-                **published,
-                "tps_error": row.get("tokens_per_s_per_gpu", math.nan) / t["tokens_per_s_per_gpu"]
-                - 1,
-                "predicted_memory_gib": predicted_gib,
-                "memory_error": predicted_gib / t["memory_gib"] - 1,
-                # torchtitan reports the reserved peak: like against like
-                "predicted_reserved_gib": reserved_gib,
-                "reserved_error": reserved_gib / t["memory_gib"] - 1,
-            }
-        )
-        log(
-            f"torchtitan {t['table']}: {row.get('tokens_per_s_per_gpu', math.nan):,.0f} "
-            f"tokens/s/GPU against {t['tokens_per_s_per_gpu']:,.0f}; {predicted_gib:.1f} GiB "
-            f"against {t['memory_gib']}"
-        )
+                got = _torchtitan_rows(searcher, specs[runs[0]["model"]], runs)
+        except Exception as e:  # transformers missing, say: rows that say so
+            got = [{"status": "failed", "reason": _why(e)}] * len(runs)
+            log(f"torchtitan {name}: failed: {e}")
+        rows += [
+            _torchtitan_row(row, t, TORCHTITAN_SOURCE, log)
+            for row, t in zip(got, runs, strict=True)
+        ]
     return rows
 
 
-def _torchtitan_row(searcher: Search, spec: ModelSpec, t: dict) -> dict:
-    """One published run's layout, measured and predicted as any candidate."""
+def _torchtitan_row(row: dict, t: dict, source: str, log: Callable) -> dict:
+    """A published run's prediction beside what it reported."""
+    published = {
+        "table": t["table"],
+        "run": t["run"],
+        "source": source,
+        "model": t["model"],
+        "gpus": t["gpus"],
+        "published_tokens_per_s_per_gpu": t["tokens_per_s_per_gpu"],
+        "published_memory_gib": t["memory_gib"],
+        "not_modelled": t["not_modelled"],
+    }
+    if row.get("status") != "ok":
+        return {**row, **published}
+    predicted_gib = row["memory_bytes"] / 2**30
+    reserved_gib = row["reserved_bytes"] / 2**30
+    log(
+        f"torchtitan {t['table']}, {t['run']}: {row['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU "
+        f"against {t['tokens_per_s_per_gpu']:,.0f}; {reserved_gib:.1f} GiB reserved against "
+        f"{t['memory_gib']}"
+    )
+    return {
+        **row,
+        **published,
+        "tps_error": row["tokens_per_s_per_gpu"] / t["tokens_per_s_per_gpu"] - 1,
+        "predicted_memory_gib": predicted_gib,
+        "memory_error": predicted_gib / t["memory_gib"] - 1,
+        # torchtitan reports the reserved peak: like against like
+        "predicted_reserved_gib": reserved_gib,
+        "reserved_error": reserved_gib / t["memory_gib"] - 1,
+    }
+
+
+def _torchtitan_rows(searcher: Search, spec: ModelSpec, runs: list[dict]) -> list[dict]:
+    """One published layout, measured once, priced as each of its runs ran (eager,
+    compiled, Float8) as any candidate is."""
     from parabench import models
     from parabench.predict import fakerank
 
+    t = runs[0]
     layout = Layout(
         pp=t["pp"],
         dp_shard=t["dp_shard"],
@@ -1029,7 +1085,14 @@ def _torchtitan_row(searcher: Search, spec: ModelSpec, t: dict) -> dict:
         schedule=t["schedule"] or "1f1b",
     )
     c = Candidate(t["model"], t["gpus"], layout, t["micro"], t["accumulation"])
-    row = searcher.row(
-        c, models.facts(spec), c.micro * c.accumulation * layout.dp, tokens_per_sample(spec)
-    )
-    return {**row, "params": fakerank.parameters(spec)}
+    facts, batch = models.facts(spec), c.micro * c.accumulation * layout.dp
+    params = fakerank.parameters(spec)
+    return [
+        {
+            **searcher.priced(r["compile"], r["float8"]).row(
+                c, facts, batch, tokens_per_sample(spec)
+            ),
+            "params": params,
+        }
+        for r in runs
+    ]

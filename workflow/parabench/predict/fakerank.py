@@ -43,6 +43,7 @@ import math
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Iterator
 from typing import NamedTuple
 
@@ -196,6 +197,24 @@ CHUNK = "chunk"
 _COPY_IN = "fsdp::all_gather_copy_in"
 
 
+# What torch.compile and Float8 would change, recorded beside the eager ops of the same
+# step, so that one fake step prices all four ways of running it (Work.seconds):
+# - LINEAR: a GEMM of an nn.Linear inside a block (its forward, its input's gradient, its
+#   weight's gradient): what torchao's Float8 training converts (torchtitan's converter
+#   skips the output head), at the FP8 rate;
+# - FUSED: a run of memory-bound ops with no matmul, attention, collective or phase
+#   change between them, as the one kernel Inductor makes of it: it reads what came from
+#   outside the run and writes what the run does not itself consume;
+# - AMAX, CAST: Float8's scaling of each GEMM operand (tensorwise): a read for its
+#   absolute maximum, then a read and a one-byte write per element. Under compile the
+#   amax fuses into the op that made the operand; the cast, which needs the amax, stays.
+LINEAR = "linear"
+FUSED = "fused"
+AMAX = "amax"
+CAST = "cast"
+_GEMMS = frozenset({"aten::mm", "aten::addmm"})  # what nn.Linear's forward and backward call
+
+
 Op = tuple[str, str, int, int]  # phase, kind, FLOPs, bytes moved
 # A micro-batch's forward, and its backward; a checkpointed block's forward again inside
 # that backward; the update. STEP: the forward and the backward together.
@@ -216,19 +235,38 @@ class Work:
         return sum(f * n for (p, _, f, _), n in self.ops.items() if _in(p, phase))
 
     def op_count(self, phase: str | None = None) -> float:
-        return sum(n for (p, *_), n in self.ops.items() if _in(p, phase))
+        """The eager step's kernels."""
+        return sum(n for (p, kind, *_), n in self.ops.items() if _in(p, phase) and _runs(kind, p))
 
     @property
     def recompute_flops(self) -> float:
         return self.flops(RECOMPUTE)
 
-    def seconds(self, gpu: GPU, phase: str | None = None) -> float:
-        """Its ops' time on `gpu`, each at its own roofline bound (GPU.op_time)."""
+    def seconds(
+        self, gpu: GPU, phase: str | None = None, compiled: bool = False, float8: bool = False
+    ) -> float:
+        """Its ops' time on `gpu`, each at its own roofline bound (GPU.op_time): eager,
+        or as torch.compile fuses its memory-bound ops, with or without Float8 linears."""
         return sum(
-            n * gpu.op_time(flops, nbytes, kind == ATTENTION)
+            n * gpu.op_time(flops, nbytes, kind == ATTENTION, float8 and kind == LINEAR)
             for (p, kind, flops, nbytes), n in self.ops.items()
-            if _in(p, phase)
+            if _in(p, phase) and _runs(kind, p, compiled, float8)
         )
+
+
+def _runs(kind: str, phase: str, compiled: bool = False, float8: bool = False) -> bool:
+    """Whether an op of `kind` runs as a kernel of its own: compile runs the fused runs
+    in place of the memory-bound ops of the forward and backward (the optimizer is not
+    compiled: torchtitan compiles the blocks), and Float8 adds its operands' scaling."""
+    if kind == FUSED:
+        return compiled
+    if kind == MEMORY and phase != OPTIMIZER:
+        return not compiled
+    if kind == AMAX:
+        return float8 and not compiled
+    if kind == CAST:
+        return float8
+    return True
 
 
 def _in(p: str, phase: str | None) -> bool:
@@ -240,12 +278,23 @@ def _in(p: str, phase: str | None) -> bool:
 class Counting(TorchDispatchMode):
     """Every op of a step, as one rank runs it (see the module's docstring)."""
 
-    def __init__(self, dims: dict[str, str]) -> None:
+    def __init__(self, dims: dict[str, str], gathers_weights: bool = False) -> None:
         super().__init__()
         self.work = Work()
         self.dims = dims  # process group -> mesh dimension name
         self.phase = STEP  # the micro-batch's (forward or backward, as autograd says)
         self.inside = False  # in DTensor's dispatch of an op (see _dtensor_op)
+        # Float8: FSDP gathers its weights already cast (torchtitan's
+        # enable_fsdp_float8_all_gather), so only activations and gradients are scaled
+        self.gathers_weights = gathers_weights
+        self.linear = 0  # inside a block's nn.Linear forward (`linears`)
+        self.weights: set[tuple[int, ...]] = set()  # their weights' local shapes, both ways
+        self.run: _Run | None = None  # the memory-bound ops since the last other kernel
+        self.saved: set[int] = set()  # storages autograd saved for the backward (`saving`)
+
+    def __exit__(self, *exc):
+        self.end_run()
+        return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is _DEVICE:  # a query (see _DEVICE): no work
@@ -264,19 +313,27 @@ class Counting(TorchDispatchMode):
         else:
             out = func(*args, **kwargs)
         if collective:
+            self.end_run()
             self._collective(func, name, args, kwargs, out)
             return out
         if name == _COPY_IN:
+            self.end_run()
             chunks = sum(_nbytes(_local(t)) for t in _tensors(args[0]))  # its inputs
             self.work.ops[(self._phase(), CHUNK, 0, 2 * chunks)] += 1
             return out
         outs = _tensors(out) if moves else []
         if not outs:
             return out  # no data moved: aliases, metadata, allocation without a fill
-        moved = sum(_nbytes(_local(t)) for t in [*_tensors((args, kwargs)), *outs])
+        ins = [_local(t) for t in _tensors((args, kwargs))]
+        outs = [_local(t) for t in outs]
+        moved = sum(_nbytes(t) for t in [*ins, *outs])
+        phase = self._phase()
         if formula is None:
-            self.work.ops[(self._phase(), MEMORY, 0, moved)] += 1
+            self.work.ops[(phase, MEMORY, 0, moved)] += 1
+            if phase != OPTIMIZER:
+                self._fuse(phase, ins, outs)
             return out
+        self.end_run()
         local_args = [_local(a) if isinstance(a, torch.Tensor) else a for a in args]
         local_kwargs = {
             k: _local(v) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()
@@ -286,8 +343,59 @@ class Counting(TorchDispatchMode):
         kind = ATTENTION if "attention" in name else MATMUL
         if kind == ATTENTION and _is_causal(func, args, kwargs):
             flops //= 2
-        self.work.ops[(self._phase(), kind, flops, moved)] += 1
+        operands = [a for a in local_args if isinstance(a, torch.Tensor)][-2:]
+        if name in _GEMMS and self._linear(phase, operands, outs[0]):
+            kind = LINEAR
+            self._scaling(phase, operands, outs[0])
+        self.work.ops[(phase, kind, flops, moved)] += 1
         return out
+
+    @contextlib.contextmanager
+    def saving(self) -> Iterator[None]:
+        """Note what autograd saves for the backward (outside checkpointed blocks, whose
+        own hooks take over), for _Run.bytes."""
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            if isinstance(t, torch.Tensor):
+                self.saved.add(_storage(_local(t)))
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            yield
+
+    def _linear(self, phase: str, operands, out: torch.Tensor) -> bool:
+        """Whether a GEMM is a block's nn.Linear's: inside one's forward (its weight,
+        the second operand, noted by shape), or after it (recomputed, or in the backward)
+        with such a weight (the forward, its input's gradient) or making its gradient."""
+        b = tuple(operands[1].shape)
+        if self.linear and phase == FORWARD:
+            self.weights.update((b, b[::-1]))
+            return True
+        return b in self.weights or tuple(out.shape) in self.weights
+
+    def _scaling(self, phase: str, operands, out: torch.Tensor) -> None:
+        """Float8's scaling of a linear GEMM's operands (AMAX, CAST). The weight is the
+        second operand, but for its gradient's GEMM, which makes a weight's shape."""
+        weight = None if tuple(out.shape) in self.weights else operands[1]
+        for t in operands:
+            if self.gathers_weights and t is weight:
+                continue  # gathered in Float8 (its chunk cast before the gather)
+            self.work.ops[(phase, AMAX, 0, _nbytes(t))] += 1
+            self.work.ops[(phase, CAST, 0, _nbytes(t) + t.numel())] += 1
+
+    def _fuse(self, phase: str, ins: list[torch.Tensor], outs: list[torch.Tensor]) -> None:
+        """A memory-bound op joins the run compile would fuse it into (FUSED)."""
+        if self.run is not None and self.run.phase != phase:
+            self.end_run()
+        if self.run is None:
+            self.run = _Run(phase)
+        self.run.add(ins, outs)
+
+    def end_run(self) -> None:
+        """The run of memory-bound ops ends: booked as one fused kernel."""
+        if self.run is not None:
+            self.work.ops[(self.run.phase, FUSED, 0, self.run.bytes(self.saved))] += 1
+            self.run = None
 
     def _phase(self) -> str:
         if checkpointing.recomputing():
@@ -325,6 +433,52 @@ class Counting(TorchDispatchMode):
         )
         entry["count"] += 1
         entry["bytes"] += nbytes
+
+
+class _Run:
+    """The memory-bound ops compile would fuse into one kernel (Counting._fuse), by
+    storage: what the run reads from outside it, and what it writes. A storage is
+    known by a weak reference, so that one freed and another made at its address are
+    two (holding them would move the tracker's peak)."""
+
+    def __init__(self, phase: str) -> None:
+        self.phase = phase
+        self.read: dict[int, tuple[weakref.ref, int]] = {}
+        self.written: dict[int, tuple[weakref.ref, int]] = {}  # live: storage -> entry
+        self.entries: list[list] = []  # [bytes, read back inside the run, storage key]
+
+    @staticmethod
+    def _known(table: dict, st) -> bool:
+        e = table.get(st._cdata)
+        return e is not None and e[0]() is st
+
+    def add(self, ins: list[torch.Tensor], outs: list[torch.Tensor]) -> None:
+        for t in ins:
+            st = t.untyped_storage()
+            if self._known(self.written, st):
+                self.entries[self.written[st._cdata][1]][1] = True
+            elif not self._known(self.read, st):
+                self.read[st._cdata] = (weakref.ref(st), _nbytes(t))
+        for t in outs:
+            st = t.untyped_storage()
+            if self._known(self.written, st):
+                entry = self.entries[self.written[st._cdata][1]]
+                entry[0] = max(entry[0], _nbytes(t))
+            else:
+                self.written[st._cdata] = (weakref.ref(st), len(self.entries))
+                self.entries.append([_nbytes(t), False, st._cdata])
+
+    def bytes(self, saved: set[int]) -> int:
+        """Its reads from outside, and its writes that leave it: those it does not read
+        back itself (an intermediate stays in registers), and those autograd saved for
+        the backward (inside a checkpointed block nothing is saved but what its policy
+        keeps, and no memory-bound op's output is: Counting.saving)."""
+        kept = sum(n for n, back, k in self.entries if not back or k in saved)
+        return sum(n for _, n in self.read.values()) + kept
+
+
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage()._cdata
 
 
 # A fake tensor's device, asked of it through every mode (FakeTensor dispatches its
@@ -399,6 +553,13 @@ class Measured:
     # over the peak
     reserved_bytes: int = 0
     derived_from: int = 0  # the dp_shard it was derived from (at_shard); 0: measured
+    # its parameters' elements, and of them the blocks' nn.Linear weights' (Float8's)
+    params: int = 0
+    linear_params: int = 0
+
+    @property
+    def linear_share(self) -> float:
+        return self.linear_params / self.params if self.params else 0.0
 
 
 @contextlib.contextmanager
@@ -516,6 +677,33 @@ def step(r: Rank, counting: Counting | None = None) -> None:
         counting.phase = OPTIMIZER
     r.optimizer.step()
     r.optimizer.zero_grad(set_to_none=True)
+
+
+@contextlib.contextmanager
+def linears(blocks: list[nn.Module], counting: Counting) -> Iterator[float]:
+    """Tell `counting` when a block's nn.Linear runs its forward (Counting._linear);
+    yields the share of the model's parameters that are their weights (what FSDP's
+    Float8 all-gather sends at a byte each)."""
+    mods = [m for b in blocks for m in b.modules() if isinstance(m, nn.Linear)]
+
+    # not while a checkpoint recomputes: it stops a block's forward early, once it
+    # has what the backward needs, so a Linear's post-hook may never run there
+    def enter(*_) -> None:
+        counting.linear += not checkpointing.recomputing()
+
+    def leave(*_) -> None:
+        counting.linear -= not checkpointing.recomputing()
+
+    handles = [
+        h
+        for m in mods
+        for h in (m.register_forward_pre_hook(enter), m.register_forward_hook(leave))
+    ]
+    try:
+        yield sum(m.weight.numel() for m in mods)
+    finally:
+        for h in handles:
+            h.remove()
 
 
 def local_bytes(t: torch.Tensor) -> int:
@@ -643,11 +831,13 @@ def measure(spec: ModelSpec, probe: Probe) -> Measured:
     with rank(spec, probe) as r:
         tracker = _tracker_class()()
         tracker.track_external(r.module, r.optimizer)
-        counting = Counting(r.dims)
-        with tracker, counting:
+        counting = Counting(r.dims, gathers_weights=probe.layout.dp_shard > 1)
+        hooks = linears(r.model.blocks(), counting)
+        with hooks as weights, tracker, counting, counting.saving():
             step(r, counting)
         peak = tracker.get_tracker_snapshot("peak")
         shards = _shards(r.module, r.optimizer)
+        params = sum(p.numel() for p in r.module.parameters())
     at = next(iter(peak.values())) if peak else {}
     by = {str(getattr(k, "name", k)).lower(): int(v) for k, v in at.items() if k != "Total"}
     _MEASURED[key] = Measured(
@@ -661,6 +851,8 @@ def measure(spec: ModelSpec, probe: Probe) -> Measured:
         shards=shards,
         sharded_at=probe.layout.dp_shard,
         reserved_bytes=allocator.replay(tracker.events).peak_reserved,
+        params=params,
+        linear_params=weights,
     )
     return _MEASURED[key]
 
@@ -880,6 +1072,8 @@ def extended(low: Measured, high: Measured, blocks: int) -> Measured:
         (low.blocks, high.blocks),
         shards=shards,
         sharded_at=high.sharded_at,
+        params=int(line(low.params, high.params)),
+        linear_params=int(line(low.linear_params, high.linear_params)),
         # the reserve over the peak as at the deeper depth: each block's allocations
         # repeat the one before's, which the allocator's cached blocks serve (at a few
         # blocks the reserve still absorbs what a block adds: not a line to extend)
@@ -925,8 +1119,10 @@ def at_blocks(spec: ModelSpec, probe: Probe, blocks: int) -> Measured:
         probes.append(measure(spec, probe.replace(blocks=k)))
         a, b, c = (p.peak_bytes for p in probes[-3:])
         if abs((c - b) - (b - a)) <= SETTLED * max(abs(c - b), 1):
+            # extended from the depths every later rank of the shape is (so that the
+            # order a search measures in changes nothing)
             _SETTLED[key] = probes[-3].blocks
-            return extended(probes[-2], probes[-1], blocks)
+            return extended(probes[-3], probes[-2], blocks)
 
 
 # --- this host, as a device ---------------------------------------------------------

@@ -135,20 +135,16 @@ def llama3_model(name: str, seq_len: int = 8192) -> dict:
     }
 
 
-_NOT_FLOAT8 = (
-    "torch.compile and Float8 were on in the run; advise prices eager BF16 (Float8 "
-    "matmuls run up to twice as fast, compile fuses the memory-bound ops)"
-)
-
 # torchtitan's benchmarks/llama3_h100_202412_torchtitan.md: "Each host has 8 NVIDIA
 # H100 GPUs fully connected with NVLink. Each H100 GPU is equipped with 96GB HBM2e with
 # 2.4 TB/sec peak memory bandwidth. Hosts are inter-connected with backend RDMA network
 # with 400 Gb/s per GPU. We used the default 500W power limit". Sequence 8,192 (its
 # train configs); bf16 parameters and fp32 reduction (FSDP2's mixed precision, its
-# default); AdamW. Memory is the allocator's reserved peak. Each table's first row.
-TORCHTITAN_TABLES = (
-    {
-        "table": "Table 1",
+# default); AdamW. Memory is the allocator's reserved peak. Tables 1 and 3 each give
+# three runs of one layout: eager, compiled, compiled with Float8 (torchao's, with
+# FSDP's Float8 all-gather); Tables 4 and 5 ran compiled with Float8 (their first rows).
+_LAYOUTS = {
+    "Table 1": {
         "model": "llama3_8b",
         "gpus": 8,
         "dp_shard": 8,
@@ -159,12 +155,8 @@ TORCHTITAN_TABLES = (
         "accumulation": 1,
         "zero": 3,
         "schedule": "",
-        "tokens_per_s_per_gpu": 5762.0,
-        "memory_gib": 82.4,
-        "not_modelled": "",
     },
-    {
-        "table": "Table 3",
+    "Table 3": {
         "model": "llama3_8b",
         "gpus": 128,
         "dp_shard": 128,
@@ -175,12 +167,8 @@ TORCHTITAN_TABLES = (
         "accumulation": 1,
         "zero": 3,
         "schedule": "",
-        "tokens_per_s_per_gpu": 5605.0,
-        "memory_gib": 67.0,
-        "not_modelled": "",
     },
-    {
-        "table": "Table 4",
+    "Table 4": {
         "model": "llama3_70b",
         "gpus": 256,
         "dp_shard": 32,
@@ -191,14 +179,10 @@ TORCHTITAN_TABLES = (
         "accumulation": 1,
         "zero": 3,
         "schedule": "",
-        "tokens_per_s_per_gpu": 829.0,
-        "memory_gib": 71.9,
-        "not_modelled": _NOT_FLOAT8,
     },
-    {
-        # torchtitan's pipeline_parallel_microbatches defaults to the stages (its
-        # config_manager.py at the benchmark's commit): 8 micro-batches of 4
-        "table": "Table 5",
+    # torchtitan's pipeline_parallel_microbatches defaults to the stages (its
+    # config_manager.py at the benchmark's commit): 8 micro-batches of 4
+    "Table 5": {
         "model": "llama3_405b",
         "gpus": 512,
         "dp_shard": 8,
@@ -209,10 +193,49 @@ TORCHTITAN_TABLES = (
         "accumulation": 8,
         "zero": 2,
         "schedule": "1f1b",
-        "tokens_per_s_per_gpu": 100.0,
-        "memory_gib": 82.5,
-        "not_modelled": _NOT_FLOAT8 + "; AsyncTP (TP's collectives overlapped with its matmuls)",
     },
+}
+_FLOAT8_TP = "Float8 in TP's collectives (torchtitan's Float8 tensor parallel plan)"
+
+
+def _run(
+    table: str,
+    run: str,
+    compiled: bool,
+    float8: bool,
+    tps: float,
+    gib: float,
+    not_modelled: str = "",
+) -> dict:
+    return {
+        "table": table,
+        "run": run,
+        **_LAYOUTS[table],
+        "compile": compiled,
+        "float8": float8,
+        "tokens_per_s_per_gpu": tps,
+        "memory_gib": gib,
+        "not_modelled": not_modelled,
+    }
+
+
+TORCHTITAN_TABLES = (
+    _run("Table 1", "FSDP", False, False, 5762.0, 82.4),
+    _run("Table 1", "FSDP + torch.compile", True, False, 6667.0, 77.0),
+    _run("Table 1", "FSDP + torch.compile + Float8", True, True, 8532.0, 76.8),
+    _run("Table 3", "FSDP", False, False, 5605.0, 67.0),
+    _run("Table 3", "FSDP + torch.compile", True, False, 6514.0, 62.0),
+    _run("Table 3", "FSDP + torch.compile + Float8", True, True, 8380.0, 61.8),
+    _run("Table 4", "2D + torch.compile + Float8", True, True, 829.0, 71.9, _FLOAT8_TP),
+    _run(
+        "Table 5",
+        "1F1B, 3D + torch.compile + Float8 + AsyncTP",
+        True,
+        True,
+        100.0,
+        82.5,
+        f"{_FLOAT8_TP}; AsyncTP (TP's collectives overlapped with its matmuls)",
+    ),
 )
 TORCHTITAN_SOURCE = (
     "torchtitan benchmarks/llama3_h100_202412_torchtitan.md (Llama 3.1 on 96 GB H100 at "

@@ -1,0 +1,151 @@
+"""advise prices a run compiled or with Float8 from the same fake step as eager
+(predict/fakerank.py: FUSED, LINEAR, AMAX, CAST): what a fused run reads and writes,
+which GEMMs Float8 converts, and the config's keys for both. torchtitan's published
+runs with and without them are test_advise.py's."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import REPO
+from parabench.hardware import gpus
+from parabench.layout import Layout
+from parabench.predict import advise, fakerank
+from parabench.predict.fakerank import (
+    AMAX,
+    BACKWARD,
+    CAST,
+    FORWARD,
+    FUSED,
+    LINEAR,
+    MATMUL,
+    MEMORY,
+    OPTIMIZER,
+    RECOMPUTE,
+    Counting,
+)
+
+KIB = 4096  # 1,024 fp32 elements
+
+
+def _ops(counting: Counting, kind: str) -> list[tuple[int, float]]:
+    return sorted((b, n) for (_, k, _, b), n in counting.work.ops.items() if k == kind)
+
+
+def test_a_fused_run_reads_what_comes_in_and_writes_what_leaves():
+    """Three pointwise ops between two matmuls: eager, three kernels each reading and
+    writing 4 KiB; fused, one kernel reading x and writing its last output, and what
+    autograd saves for the backward (sin saves its input)."""
+    x, w = torch.randn(32, 32), torch.randn(32, 32)
+    counting = Counting({})
+    with torch.no_grad(), counting, counting.saving():
+        y = x @ w
+        z = (y * 2 + 1).exp()
+        _ = z @ w
+    assert _ops(counting, MEMORY) == [(2 * KIB, 3)]
+    assert _ops(counting, FUSED) == [(2 * KIB, 1)]  # y in, z out
+
+    x = torch.randn(32, 32, requires_grad=True)
+    counting = Counting({})
+    with counting, counting.saving():
+        y = x @ w
+        z = (y * 2 + 1).sin()  # saves y * 2 + 1
+        _ = z @ w
+    assert _ops(counting, FUSED) == [(3 * KIB, 1)]
+
+
+def test_compile_and_float8_price_a_real_rank_as_they_run_it():
+    """A Llama rank (FSDP over 2, with TP 2 and selective checkpointing) on fake
+    tensors: Float8 converts each block's seven linears, three GEMMs each, never the
+    output head; its operands are scaled, but a weight FSDP gathers in Float8; fusing
+    never costs more than eager in any phase, and the optimizer is never fused."""
+    spec = pytest.importorskip("test_advise").LONG
+    probe = fakerank.Probe(
+        Layout(dp_shard=2, tp=2, ac="none", sequence_parallel=True),
+        micro=1,
+        precision="bf16",
+        optimizer="adamw",
+        blocks=2,
+    )
+    m = fakerank.measure(spec, probe)
+    count = collections.Counter()
+    for (phase, kind, _, _), n in m.work.ops.items():
+        count[phase, kind] += n
+    assert count[FORWARD, LINEAR] == 2 * 7 and count[BACKWARD, LINEAR] == 2 * 14
+    assert count[FORWARD, MATMUL] == 1 and count[BACKWARD, MATMUL] == 2  # the head
+    # forward: the input only (FSDP gathers the weight in Float8); backward: the
+    # output's gradient for the input's, both operands for the weight's
+    assert count[FORWARD, AMAX] == count[FORWARD, CAST] == 2 * 7
+    assert count[BACKWARD, AMAX] == 2 * 7 * 3
+    assert count[OPTIMIZER, FUSED] == 0 and count[RECOMPUTE, LINEAR] == 0
+    assert 0.3 < m.linear_share < 1
+    h100 = gpus.PROFILES["h100"]
+    for phase in (FORWARD, BACKWARD, OPTIMIZER):
+        eager = m.work.seconds(h100, phase)
+        assert 0 < m.work.seconds(h100, phase, compiled=True) <= eager
+    assert m.work.seconds(h100, OPTIMIZER, compiled=True) == m.work.seconds(h100, OPTIMIZER)
+    # the linears at the FP8 rate, less time; their scaling, more kernels: at this toy
+    # width the kernels win, as torchao says of small shapes (at Llama's, Float8 is
+    # faster: test_advise's torchtitan rows)
+    linears = fakerank.Work(
+        collections.Counter({k: n for k, n in m.work.ops.items() if k[1] == LINEAR})
+    )
+    assert linears.seconds(h100, float8=True) == linears.seconds(h100)  # floor-bound here
+    compute_bound = dataclasses.replace(h100, op_floor_s=0, bandwidth=1e18)
+    assert linears.seconds(compute_bound, float8=True) == pytest.approx(
+        linears.seconds(compute_bound) * h100.achievable_flops / h100.fp8_flops
+    )
+    scaling = m.work.seconds(h100, float8=True) - m.work.seconds(h100)
+    assert scaling > linears.seconds(h100, float8=True) - linears.seconds(h100)
+    # FSDP's gather of the linears' weights at a byte each: less, by half their share
+    lay = probe.layout
+    bf16 = advise.collectives(m, lay)["dp_shard"]["all_gather"]["bytes"]
+    fp8 = advise.collectives(m, lay, float8=True)["dp_shard"]["all_gather"]["bytes"]
+    assert fp8 == pytest.approx(bf16 * (1 - m.linear_share / 2))
+
+
+def test_the_cells_refuse_float8_naming_the_key():
+    """precision: float8 passes the schema and is refused before any job, with the
+    reason on this device (advise prices it)."""
+    from conftest import tiny_config
+    from parabench import config as cfg
+
+    config = cfg.checked(tiny_config(precision=["bf16", "float8"]))
+    found = cfg.problems(config)
+    assert any(p.startswith("precision: float8: a CPU has no FP8 matmul") for p in found), found
+    assert "advise.float8" in cfg.float8_refusal("cpu")
+    assert "torchao" in cfg.float8_refusal("cuda")
+
+
+def test_advise_refuses_float8_on_a_gpu_without_fp8(tmp_path):
+    """advise.float8 on an A100 (no FP8 tensor cores): one line naming the key, and no
+    advise.csv."""
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "parabench",
+            "advise",
+            "config/advise.yaml",
+            "--gpu",
+            "a100",
+            "--float8",
+            "--gpus",
+            "8",
+            "--out",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert "advise.float8: gpu 'a100'" in proc.stderr and len(proc.stderr.splitlines()) == 1
+    assert not (tmp_path / "advise.csv").exists()
