@@ -30,6 +30,7 @@ from parabench.predict.fakerank import (
     RECOMPUTE,
     Counting,
 )
+from parabench.spec import ModelSpec
 
 KIB = 4096  # 1,024 fp32 elements
 
@@ -40,11 +41,13 @@ def _ops(counting: Counting, kind: str) -> list[tuple[int, float]]:
 
 def test_a_fused_run_reads_what_comes_in_and_writes_what_leaves():
     """Three pointwise ops between two matmuls: eager, three kernels each reading and
-    writing 4 KiB; fused, one kernel reading x and writing its last output, and what
-    autograd saves for the backward (sin saves its input)."""
+    writing 4 KiB; fused, one kernel reading y and writing its last output, and what is
+    still held when it ends (sin saves its input for the backward). The first
+    intermediate is freed before the last is made, which may take its address: a
+    storage is told by identity, not address."""
     x, w = torch.randn(32, 32), torch.randn(32, 32)
     counting = Counting({})
-    with torch.no_grad(), counting, counting.saving():
+    with torch.no_grad(), counting:
         y = x @ w
         z = (y * 2 + 1).exp()
         _ = z @ w
@@ -53,26 +56,30 @@ def test_a_fused_run_reads_what_comes_in_and_writes_what_leaves():
 
     x = torch.randn(32, 32, requires_grad=True)
     counting = Counting({})
-    with counting, counting.saving():
+    with counting:
         y = x @ w
         z = (y * 2 + 1).sin()  # saves y * 2 + 1
         _ = z @ w
     assert _ops(counting, FUSED) == [(3 * KIB, 1)]
 
 
-def test_compile_and_float8_price_a_real_rank_as_they_run_it():
-    """A Llama rank (FSDP over 2, with TP 2 and selective checkpointing) on fake
-    tensors: Float8 converts each block's seven linears, three GEMMs each, never the
-    output head; its operands are scaled, but a weight FSDP gathers in Float8; fusing
-    never costs more than eager in any phase, and the optimizer is never fused."""
-    spec = pytest.importorskip("test_advise").LONG
-    probe = fakerank.Probe(
-        Layout(dp_shard=2, tp=2, ac="none", sequence_parallel=True),
-        micro=1,
-        precision="bf16",
-        optimizer="adamw",
-        blocks=2,
-    )
+@pytest.mark.parametrize(
+    "seq, layout",
+    [
+        (1024, Layout(dp_shard=2, tp=2, ac="selective", sequence_parallel=True)),
+        # 128 tokens of width 128: the hidden states have a square weight's shape
+        (128, Layout(dp_shard=2, ac="none")),
+    ],
+)
+def test_compile_and_float8_price_a_real_rank_as_they_run_it(seq, layout):
+    """A small Llama's rank on fake tensors: Float8 converts each block's seven linears,
+    three GEMMs each (and those selective checkpointing recomputes), never the output
+    head's, even where a block's weight has the hidden states' shape; its operands are
+    scaled, but a weight FSDP gathers in Float8; fusing never costs more than eager in
+    any phase, and the optimizer is never fused."""
+    llama = pytest.importorskip("test_advise").LLAMA
+    spec = ModelSpec.of("hf", **{**llama.size_dict(), "seq_len": seq})
+    probe = fakerank.Probe(layout, micro=1, precision="bf16", optimizer="adamw", blocks=2)
     m = fakerank.measure(spec, probe)
     count = collections.Counter()
     for (phase, kind, _, _), n in m.work.ops.items():
@@ -83,7 +90,8 @@ def test_compile_and_float8_price_a_real_rank_as_they_run_it():
     # output's gradient for the input's, both operands for the weight's
     assert count[FORWARD, AMAX] == count[FORWARD, CAST] == 2 * 7
     assert count[BACKWARD, AMAX] == 2 * 7 * 3
-    assert count[OPTIMIZER, FUSED] == 0 and count[RECOMPUTE, LINEAR] == 0
+    assert count[RECOMPUTE, MATMUL] == 0 and count[OPTIMIZER, FUSED] == 0
+    assert (count[RECOMPUTE, LINEAR] > 0) == (layout.ac == "selective")
     assert 0.3 < m.linear_share < 1
     h100 = gpus.PROFILES["h100"]
     for phase in (FORWARD, BACKWARD, OPTIMIZER):
@@ -149,3 +157,26 @@ def test_advise_refuses_float8_on_a_gpu_without_fp8(tmp_path):
     assert proc.returncode == 2, proc.stderr
     assert "advise.float8: gpu 'a100'" in proc.stderr and len(proc.stderr.splitlines()) == 1
     assert not (tmp_path / "advise.csv").exists()
+
+
+def test_advise_float8_needs_bf16_and_an_fp8_rate(tmp_path):
+    """Each refusal names advise.float8: FP32 training, this-machine (no FP8 rate
+    measured), a profile file without fp8_flops; an H100 with BF16 passes."""
+    from parabench import config as cfg
+
+    config = cfg.load_config(REPO / "config" / "advise.yaml")
+    adv = config["advise"]
+    adv.update(float8=True)
+    assert cfg.advise_problems(config, REPO) == []
+    adv.update(precision="fp32")
+    assert any("advise.float8: prices BF16" in p for p in cfg.advise_problems(config, REPO))
+    adv.update(precision="bf16", gpu="this-machine")
+    assert any("advise.float8: this-machine" in p for p in cfg.advise_problems(config, REPO))
+    (tmp_path / "mine.yaml").write_text(
+        "{name: mine, peak_flops: 1e15, achievable_flops: 8e14, memory_bytes: 8e10, "
+        "bandwidth: 3e12, source: by hand}"
+    )
+    adv.update(gpu="mine.yaml")
+    assert cfg.advise_problems(config, tmp_path) == [
+        "advise.float8: gpu 'mine.yaml' has no FP8 rate (fp8_flops)"
+    ]

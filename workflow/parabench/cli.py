@@ -583,8 +583,6 @@ def _advise(args: argparse.Namespace) -> int:
             gpu = this_machine(config["device"], adv["precision"])
         else:
             gpu = resolve_gpu(adv["gpu"])
-        if adv["float8"] and not gpu.fp8_flops:
-            raise ConfigError(f"advise.float8: gpu {gpu.name!r} has no FP8 rate (fp8_flops)")
     except (ConfigError, FabricError, GPUError, OSError) as e:
         print(f"parabench advise: {e}", file=sys.stderr)
         return 2

@@ -529,13 +529,36 @@ def fabric_problems(key: str, fabric: str, config: dict, workdir: Path | None) -
     return out
 
 
+def _float8_problems(adv: dict, workdir: Path | None = None) -> list[str]:
+    """advise.float8 needs BF16 (Float8 replaces its matmuls and halves its gathers)
+    and a GPU profile with an FP8 rate."""
+    from parabench.hardware.gpus import PROFILES, THIS_MACHINE, GPUError, from_file
+
+    out = []
+    if adv.get("precision", "bf16") != "bf16":
+        out.append(
+            f"advise.float8: prices BF16 training's linears in FP8; precision is "
+            f"{adv['precision']!r}"
+        )
+    gpu = adv["gpu"]
+    if gpu == THIS_MACHINE:
+        return [*out, "advise.float8: this-machine measures no FP8 rate; name a GPU profile"]
+    try:
+        profile = PROFILES.get(gpu) or from_file(Path(workdir or ".") / gpu)
+    except (OSError, GPUError):
+        return out  # advise.gpu's own problem, said there
+    if not profile.fp8_flops:
+        out.append(f"advise.float8: gpu {gpu!r} has no FP8 rate (fp8_flops)")
+    return out
+
+
 def advise_problems(config: dict, workdir: Path | None = None) -> list[str]:
     """The advise keys: its models exist and can be advised on, its GPU profile and
     fabric can be found, its batch is given once."""
     adv = config.get("advise") or {}
     if not adv.get("enabled"):
         return []
-    from parabench.hardware.gpus import NAMES, PROFILES, THIS_MACHINE, problem
+    from parabench.hardware.gpus import NAMES, problem
 
     out = []
     for m in adv.get("models") or []:
@@ -547,8 +570,8 @@ def advise_problems(config: dict, workdir: Path | None = None) -> list[str]:
     if gpu not in NAMES and (why := problem(str(Path(workdir or ".") / gpu))):
         out.append(f"advise.gpu: {gpu!r}: {why}")
     out += fabric_problems("advise", adv.get("fabric", "h100-nvlink-ndr400"), config, workdir)
-    if adv.get("float8") and gpu in NAMES and gpu != THIS_MACHINE and not PROFILES[gpu].fp8_flops:
-        out.append(f"advise.float8: gpu {gpu!r} has no FP8 tensor cores (its profile's fp8_flops)")
+    if adv.get("float8"):
+        out += _float8_problems(adv, workdir)
     if "global_batch" in adv and "global_tokens" in adv:
         out.append("advise: give global_batch or global_tokens, not both")
     return out

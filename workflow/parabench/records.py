@@ -169,6 +169,7 @@ ADVISE_COLUMNS = (
     "rank",
     "memory_bytes",
     "reserved_bytes",
+    "overhead_bytes",
     "memory_source",
     "param_bytes",
     "grad_bytes",

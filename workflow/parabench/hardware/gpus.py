@@ -231,20 +231,45 @@ def usable(device_bytes: float) -> float:
     return device_bytes * (1 - HEADROOM)
 
 
-def fits(peak_bytes: float, device_bytes: float | None) -> bool | None:
-    """Whether a rank's measured peak fits a device of `device_bytes`, with HEADROOM
-    kept free; None where the device's memory is unknown. The one decision plan, advise
-    and the rehearsal make.
+# What a GPU holds beside the caching allocator's reserve, where the allocator is
+# modelled (advise: predict/allocator.py), each from a cited measurement:
+# - the CUDA context: "nvidia-smi shows usage of 781MB" for a process that has only
+#   started CUDA through PyTorch (pytorch/pytorch#34323);
+# - NCCL's buffers, a set per communicator (NVIDIA/nccl#864: "More communicators =
+#   more memory used"): 544 MB for a group of two, 688 MB for more, measured through
+#   PyTorch on 4 A100s over NVLink with a 4 MB all-reduce (NVIDIA/nccl#964). NCCL's
+#   maintainer adds that it grows with the channels, more on H100's NVLink than there,
+#   and no further beyond two nodes: a floor for an H100, not a ceiling.
+CUDA_CONTEXT_BYTES = 781 * MiB
+NCCL_PAIR_BYTES = 544 * MiB
+NCCL_GROUP_BYTES = 688 * MiB
 
-    The peaks measured are allocated bytes (torch's memory trackers, the caching
-    allocator's high-water mark). HEADROOM stands for what a GPU holds beyond them: the
-    caching allocator's reserve over what it has allocated (fragmentation), the CUDA
-    context, and NCCL's buffers. A tenth is advise's choice, not a measured figure:
-    torchtitan's reserved peaks ran 11-17% over advise's allocated ones for the same
-    runs (docs/design/advise.md, "Allocated, not reserved"), so it errs towards "fits".
-    On a CPU, where none of these exist, the same tenth is kept: one rule for both. A
-    model of the caching allocator is to replace it."""
-    return None if not device_bytes else peak_bytes <= usable(device_bytes)
+
+def overhead(groups: list[int]) -> int:
+    """A GPU rank's memory beyond the allocator: the CUDA context, and NCCL's buffers
+    for each of its process groups of `groups` ranks (one per mesh dimension over
+    more than one)."""
+    nccl = sum(NCCL_PAIR_BYTES if g == 2 else NCCL_GROUP_BYTES for g in groups if g > 1)
+    return CUDA_CONTEXT_BYTES + nccl
+
+
+def fits(
+    peak_bytes: float, device_bytes: float | None, held_bytes: float | None = None
+) -> bool | None:
+    """Whether a rank fits a device of `device_bytes`; None where the device's memory
+    is unknown. The one decision plan, advise and the rehearsal make.
+
+    Where what the device would hold is known (`held_bytes`: advise's reserved peak on
+    a GPU, from the caching allocator's model, plus `overhead`), it must fit the card.
+    Else the measured peak is allocated bytes (torch's memory trackers) and HEADROOM
+    stands for the rest: a tenth of the card kept free (torchtitan's reserved peaks
+    ran 11-17% over advise's allocated ones for the same runs; on a CPU, where none of
+    it exists, the same tenth is kept)."""
+    if not device_bytes:
+        return None
+    if held_bytes is not None:
+        return held_bytes <= device_bytes
+    return peak_bytes <= usable(device_bytes)
 
 
 def from_file(path: Path) -> GPU:

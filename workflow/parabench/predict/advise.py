@@ -359,6 +359,8 @@ class Search:
         self.precision, self.optimizer, self.log = precision, optimizer, log
         # how the runs are priced, not measured: one fake step prices every way
         self.compiled, self.float8 = compiled, float8
+        if float8 and not gpu.fp8_flops:
+            raise ValueError(f"advise.float8: gpu {gpu.name!r} has no FP8 rate (fp8_flops)")
         self.derive = derive  # False: every rank measured itself (the test of deriving)
         self.cache: dict = {}
         self.measurements = 0  # fake steps taken (fakerank.measure)
@@ -456,17 +458,24 @@ class Search:
             how += f"; derived from its rank with FSDP over {m.derived_from} (fakerank.at_shard)"
         if extra:
             how += f"; {in_flight(c) - 1} more micro-batches' saved activations in flight added"
+        # the allocator's reserve over the peak, as its model replays the step
+        reserved = peak + max(m.reserved_bytes - m.peak_bytes, 0)
+        # a GPU also holds its CUDA context and NCCL's buffers (a CPU profile: none)
+        groups = [d for d in c.layout.degrees.values() if d > 1]
+        overhead = 0 if self.gpu.cores else gpus.overhead(groups)
         row.update(
             status="ok",
             memory_bytes=peak,
-            # the allocator's reserve over the peak, as its model replays the step
-            reserved_bytes=peak + max(m.reserved_bytes - m.peak_bytes, 0),
+            reserved_bytes=reserved,
+            overhead_bytes=overhead,
             memory_source=how,
             **{
                 f"{k}_bytes": m.by_category.get(k, 0)
                 for k in ("param", "grad", "opt", "act", "temp")
             },
-            fits=gpus.fits(peak, self.gpu.memory_bytes),
+            fits=gpus.fits(
+                peak, self.gpu.memory_bytes, None if self.gpu.cores else reserved + overhead
+            ),
             **predict(c, m, self.gpu, self.fabric, tokens, self.compiled, self.float8),
         )
         row["binding"] = binding(row)

@@ -287,13 +287,18 @@ class Counting(TorchDispatchMode):
         # Float8: FSDP gathers its weights already cast (torchtitan's
         # enable_fsdp_float8_all_gather), so only activations and gradients are scaled
         self.gathers_weights = gathers_weights
-        self.linear = 0  # inside a block's nn.Linear forward (`linears`)
-        self.weights: set[tuple[int, ...]] = set()  # their weights' local shapes, both ways
+        # the nn.Linear forwards running (`linears`), innermost last: whether Float8
+        # converts each (a block's) or not (the head)
+        self.linear: list[bool] = []
+        # the storages of the weights they multiplied by, weakly (see _Run), and whether
+        # converted; the converted ones' local shapes, both ways (their gradients')
+        self.weights: dict[int, tuple[weakref.ref, bool]] = {}
+        self.weight_shapes: set[tuple[int, ...]] = set()
         self.run: _Run | None = None  # the memory-bound ops since the last other kernel
-        self.saved: set[int] = set()  # storages autograd saved for the backward (`saving`)
 
     def __exit__(self, *exc):
-        self.end_run()
+        if not self.inside:  # not _handled's own push of this mode
+            self.end_run()
         return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -350,33 +355,32 @@ class Counting(TorchDispatchMode):
         self.work.ops[(phase, kind, flops, moved)] += 1
         return out
 
-    @contextlib.contextmanager
-    def saving(self) -> Iterator[None]:
-        """Note what autograd saves for the backward (outside checkpointed blocks, whose
-        own hooks take over), for _Run.bytes."""
-
-        def pack(t: torch.Tensor) -> torch.Tensor:
-            if isinstance(t, torch.Tensor):
-                self.saved.add(_storage(_local(t)))
-            return t
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            yield
+    def _weight(self, t: torch.Tensor) -> bool | None:
+        """Whether `t` is a weight an nn.Linear multiplied by in its forward: converted
+        (True) or not (False); None: no weight."""
+        st = t.untyped_storage()
+        e = self.weights.get(st._cdata)
+        return e[1] if e is not None and e[0]() is st else None
 
     def _linear(self, phase: str, operands, out: torch.Tensor) -> bool:
-        """Whether a GEMM is a block's nn.Linear's: inside one's forward (its weight,
-        the second operand, noted by shape), or after it (recomputed, or in the backward)
-        with such a weight (the forward, its input's gradient) or making its gradient."""
-        b = tuple(operands[1].shape)
+        """Whether a GEMM is a converted nn.Linear's: inside one's forward (its weight,
+        the second operand, noted), or later with such a weight (recomputed, its input's
+        gradient: FSDP2 gathers into the same storage each time), or, with no weight,
+        making a converted weight's shape (its weight's gradient)."""
+        b = operands[1]
         if self.linear and phase == FORWARD:
-            self.weights.update((b, b[::-1]))
-            return True
-        return b in self.weights or tuple(out.shape) in self.weights
+            st = b.untyped_storage()
+            self.weights[st._cdata] = (weakref.ref(st), self.linear[-1])
+            if self.linear[-1]:
+                self.weight_shapes.update((tuple(b.shape), tuple(b.shape)[::-1]))
+            return self.linear[-1]
+        if (weight := self._weight(b)) is not None:
+            return weight
+        return tuple(out.shape) in self.weight_shapes
 
     def _scaling(self, phase: str, operands, out: torch.Tensor) -> None:
-        """Float8's scaling of a linear GEMM's operands (AMAX, CAST). The weight is the
-        second operand, but for its gradient's GEMM, which makes a weight's shape."""
-        weight = None if tuple(out.shape) in self.weights else operands[1]
+        """Float8's scaling of a linear GEMM's operands (AMAX, CAST)."""
+        weight = operands[1] if self._weight(operands[1]) else None
         for t in operands:
             if self.gathers_weights and t is weight:
                 continue  # gathered in Float8 (its chunk cast before the gather)
@@ -394,7 +398,7 @@ class Counting(TorchDispatchMode):
     def end_run(self) -> None:
         """The run of memory-bound ops ends: booked as one fused kernel."""
         if self.run is not None:
-            self.work.ops[(self.run.phase, FUSED, 0, self.run.bytes(self.saved))] += 1
+            self.work.ops[(self.run.phase, FUSED, 0, self.run.bytes())] += 1
             self.run = None
 
     def _phase(self) -> str:
@@ -445,7 +449,8 @@ class _Run:
         self.phase = phase
         self.read: dict[int, tuple[weakref.ref, int]] = {}
         self.written: dict[int, tuple[weakref.ref, int]] = {}  # live: storage -> entry
-        self.entries: list[list] = []  # [bytes, read back inside the run, storage key]
+        # [bytes, read back inside the run, storage key, the storage (weakly)]
+        self.entries: list[list] = []
 
     @staticmethod
     def _known(table: dict, st) -> bool:
@@ -466,19 +471,14 @@ class _Run:
                 entry[0] = max(entry[0], _nbytes(t))
             else:
                 self.written[st._cdata] = (weakref.ref(st), len(self.entries))
-                self.entries.append([_nbytes(t), False, st._cdata])
+                self.entries.append([_nbytes(t), False, st._cdata, weakref.ref(st)])
 
-    def bytes(self, saved: set[int]) -> int:
+    def bytes(self) -> int:
         """Its reads from outside, and its writes that leave it: those it does not read
-        back itself (an intermediate stays in registers), and those autograd saved for
-        the backward (inside a checkpointed block nothing is saved but what its policy
-        keeps, and no memory-bound op's output is: Counting.saving)."""
-        kept = sum(n for n, back, k in self.entries if not back or k in saved)
+        back itself, and those still held when it ends (by the code after it, or saved
+        for the backward); an intermediate it reads back and drops stays in registers."""
+        kept = sum(n for n, back, _, ref in self.entries if not back or ref() is not None)
         return sum(n for _, n in self.read.values()) + kept
-
-
-def _storage(t: torch.Tensor) -> int:
-    return t.untyped_storage()._cdata
 
 
 # A fake tensor's device, asked of it through every mode (FakeTensor dispatches its
@@ -680,19 +680,22 @@ def step(r: Rank, counting: Counting | None = None) -> None:
 
 
 @contextlib.contextmanager
-def linears(blocks: list[nn.Module], counting: Counting) -> Iterator[float]:
-    """Tell `counting` when a block's nn.Linear runs its forward (Counting._linear);
-    yields the share of the model's parameters that are their weights (what FSDP's
-    Float8 all-gather sends at a byte each)."""
-    mods = [m for b in blocks for m in b.modules() if isinstance(m, nn.Linear)]
+def linears(module: nn.Module, blocks: list[nn.Module], counting: Counting) -> Iterator[float]:
+    """Tell `counting` when an nn.Linear runs its forward, and whether Float8 converts
+    it: a block's, not the head's (Counting._linear); yields the converted weights'
+    elements (what FSDP's Float8 all-gather sends at a byte each)."""
+    converted = {id(m) for b in blocks for m in b.modules() if isinstance(m, nn.Linear)}
+    mods = [m for m in module.modules() if isinstance(m, nn.Linear)]
 
     # not while a checkpoint recomputes: it stops a block's forward early, once it
     # has what the backward needs, so a Linear's post-hook may never run there
-    def enter(*_) -> None:
-        counting.linear += not checkpointing.recomputing()
+    def enter(m: nn.Module, *_) -> None:
+        if not checkpointing.recomputing():
+            counting.linear.append(id(m) in converted)
 
     def leave(*_) -> None:
-        counting.linear -= not checkpointing.recomputing()
+        if not checkpointing.recomputing():
+            counting.linear.pop()
 
     handles = [
         h
@@ -700,7 +703,7 @@ def linears(blocks: list[nn.Module], counting: Counting) -> Iterator[float]:
         for h in (m.register_forward_pre_hook(enter), m.register_forward_hook(leave))
     ]
     try:
-        yield sum(m.weight.numel() for m in mods)
+        yield sum(m.weight.numel() for m in mods if id(m) in converted)
     finally:
         for h in handles:
             h.remove()
@@ -832,8 +835,8 @@ def measure(spec: ModelSpec, probe: Probe) -> Measured:
         tracker = _tracker_class()()
         tracker.track_external(r.module, r.optimizer)
         counting = Counting(r.dims, gathers_weights=probe.layout.dp_shard > 1)
-        hooks = linears(r.model.blocks(), counting)
-        with hooks as weights, tracker, counting, counting.saving():
+        hooks = linears(r.module, r.model.blocks(), counting)
+        with hooks as weights, tracker, counting:
             step(r, counting)
         peak = tracker.get_tracker_snapshot("peak")
         shards = _shards(r.module, r.optimizer)

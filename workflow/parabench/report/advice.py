@@ -45,10 +45,13 @@ def _why(best: dict, usable: float, next_row: dict | None) -> str:
         if best["accumulation"] > 1
         else f", micro-batch {best['micro_batch']}"
     )
-    text = (
-        f"{best['layout']}{acc} is the fastest layout that fits: "
-        f"{_gib(best['memory_bytes'])} of the {_gib(usable)} usable"
-    )
+    held = best.get("overhead_bytes")
+    if held and not pd.isna(held):  # a GPU: what it would hold, against the card
+        total = float(best["reserved_bytes"]) + float(held)
+        memory = f"{_gib(total)} of the card's {_gib(float(best['device_memory_bytes']))}"
+    else:
+        memory = f"{_gib(best['memory_bytes'])} of the {_gib(usable)} usable"
+    text = f"{best['layout']}{acc} is the fastest layout that fits: {memory}"
     if next_row:
         slower = next_row["step_s"] / best["step_s"] - 1
         text += f"; the next ({next_row['layout']}) is {slower:.0%} slower"

@@ -367,7 +367,8 @@ MEMORY_KINDS = {
 def advice_picture(rows: list[dict], headroom: float) -> str:
     """The recommendation and its runners-up at a glance (advise.csv's rows, best
     first): memory per GPU by kind, measured, with the reserve the fit rule keeps free
-    (`headroom` of the card), against the card; and the predicted step by part."""
+    (on a GPU, the allocator's reserve, the CUDA context and NCCL's buffers; else
+    `headroom` of the card), against the card; and the predicted step by part."""
     labels = [f"{int(r['rank'])}. {r['layout']}, micro {int(r['micro_batch'])}" for r in rows]
     gib = 2**30
     mem = pd.DataFrame(
@@ -377,7 +378,16 @@ def advice_picture(rows: list[dict], headroom: float) -> str:
     in_flight = [float(r["memory_bytes"]) / gib for r in rows] - mem.sum(axis=1)
     mem["activations"] += in_flight.clip(lower=0)
     card = float(rows[0]["device_memory_bytes"]) / gib
-    mem["reserve (kept free)"] = card * headroom
+    held = [float(r.get("overhead_bytes") or 0) for r in rows]
+    if all(held):  # a GPU: what the fit rule adds, as advise predicts it
+        mem["allocator's reserve"] = [
+            max(float(r["reserved_bytes"]) - float(r["memory_bytes"]), 0) / gib for r in rows
+        ]
+        mem["CUDA context, NCCL"] = [h / gib for h in held]
+        what = "measured; the allocator's reserve and CUDA's and NCCL's predicted"
+    else:  # a CPU profile, or rows from before: a tenth of the card kept free
+        mem["reserve (kept free)"] = card * headroom
+        what = "measured, the reserve a tenth"
     step = pd.DataFrame(
         {
             "compute": [r["compute_s"] - r["recompute_s"] for r in rows],
@@ -391,10 +401,11 @@ def advice_picture(rows: list[dict], headroom: float) -> str:
     step *= 1 if unit == "s" else 1e3
     c = sns.color_palette("colorblind")
     fig, axes = plt.subplots(1, 2, figsize=(12, 1.2 + 0.45 * len(rows)), sharey=True)
-    mem.plot.barh(stacked=True, ax=axes[0], color=[*c[:5], "#d0d0d0"], width=0.7)
+    greys = ["#d0d0d0", "#a0a0a0"][: len(mem.columns) - 5]
+    mem.plot.barh(stacked=True, ax=axes[0], color=[*c[:5], *greys], width=0.7)
     axes[0].axvline(card, color="black", linewidth=1.2)
     axes[0].text(card, -0.6, " the card", va="top", fontsize=9)
-    axes[0].set(xlabel="memory per GPU (GiB; measured, the reserve a tenth)", ylabel="")
+    axes[0].set(xlabel=f"memory per GPU (GiB; {what})", ylabel="")
     step.plot.barh(stacked=True, ax=axes[1], color=[c[5], c[6], c[9], c[8]], width=0.7)
     axes[1].set(xlabel=f"step ({unit}; predicted)")
     axes[0].invert_yaxis()
