@@ -190,6 +190,22 @@ def in_flight(c: Candidate) -> int:
     return min(lay.pp, c.accumulation) if lay.schedule == "1f1b" else c.accumulation
 
 
+def accumulated_grads(c: Candidate, m) -> int:
+    """What a pipeline's FSDP stage holds beyond one micro-batch's step: its gradients,
+    unsharded, accumulated over the step's micro-batches. torch's PipelineStage turns
+    FSDP's gradient sync and resharding off for each micro-batch's backward
+    (set_requires_gradient_sync(False), set_reshard_after_backward(False)) and reduces
+    once after the last; meanwhile FSDP2 keeps each parameter's gradient whole, in the
+    reduce dtype (`unsharded_accumulated_grad`: fp32 under bf16 mixed precision; fp32
+    gradients without it): 4 bytes an element of the stage's tp-local parameters, less
+    the gradients the measured step held at its peak."""
+    lay = c.layout
+    if lay.pp == 1 or lay.dp_shard == 1 or c.accumulation == 1:
+        return 0
+    elements = sum(n * k.rows * k.row_elements for k, n in m.shards.items())
+    return max(int(4 * elements) - m.by_category.get("grad", 0), 0)
+
+
 def collectives(m, lay: Layout, float8: bool = False) -> dict:
     """A micro-batch's collectives by mesh dimension, as the run issues them: the fake
     rank's, but DDP's gradients (FSDP2's `replicate` of the whole model there: one
@@ -449,7 +465,8 @@ class Search:
             return {**row, "status": "failed", "reason": m}
         # the first stage's other micro-batches in flight: what its blocks saved for each
         extra = (in_flight(c) - 1) * m.block_saved_bytes
-        peak = m.peak_bytes + extra
+        accumulated = accumulated_grads(c, m)
+        peak = m.peak_bytes + extra + accumulated
         how = f"measured at {m.blocks} blocks"
         if m.extended_from:
             lo, hi = m.extended_from
@@ -458,6 +475,10 @@ class Search:
             how += f"; derived from its rank with FSDP over {m.derived_from} (fakerank.at_shard)"
         if extra:
             how += f"; {in_flight(c) - 1} more micro-batches' saved activations in flight added"
+        if accumulated:
+            how += (
+                "; the stage's unsharded fp32 gradients, accumulated over its micro-batches, added"
+            )
         # the allocator's reserve over the peak, as its model replays the step
         reserved = peak + max(m.reserved_bytes - m.peak_bytes, 0)
         # a GPU also holds its CUDA context and NCCL's buffers (a CPU profile: none)
@@ -470,7 +491,7 @@ class Search:
             overhead_bytes=overhead,
             memory_source=how,
             **{
-                f"{k}_bytes": m.by_category.get(k, 0)
+                f"{k}_bytes": m.by_category.get(k, 0) + (accumulated if k == "grad" else 0)
                 for k in ("param", "grad", "opt", "act", "temp")
             },
             fits=gpus.fits(
