@@ -20,7 +20,9 @@ Each is then, and says which:
   blocks. A pipeline's first stage holds the activations of its micro-batches in
   flight (1F1B: up to pp; GPipe: all), one micro-batch's measured, the rest added;
 - **counted**: its ops' FLOPs and bytes, its collectives' bytes per mesh dimension;
-- **predicted, time**: compute, each op at the GPU's roofline (hardware/gpus.py); communication
+- **predicted, time**: compute, each op at the GPU's roofline (hardware/gpus.py), eager or
+  as torch.compile fuses it, with BF16 or Float8 linears (`advise.compile`,
+  `advise.float8`); communication
   per mesh dimension at the fabric's time at its span (hardware/fabric.py, scaling.layout_comm),
   less what data parallelism's run under compute (FSDP's prefetched gathers, the
   gradient reductions under the backward: predict/overlap.py's timeline; tensor
@@ -33,6 +35,10 @@ checkpointing and kind of data parallelism) is measured once, with FSDP's chunks
 2 ranks (`reference`), and every other dp_shard, at every N, and HSDP's rank, derived
 from it (fakerank.at_shard: exact, tests/test_advise.py). Layouts are searched in
 worker processes side by side, those of one shape in one worker.
+
+Whether it fits: on a GPU, what the card would hold (the caching allocator's reserved
+peak, the CUDA context, NCCL's buffers per process group: gpus.fits); a pipeline's
+FSDP stage also holds its gradients whole over its micro-batches (accumulated_grads).
 
 results/advise.csv holds every candidate (columns: docs/results.md), the recommended
 one ranked 1: the fastest that fits.

@@ -16,7 +16,8 @@ backward, optimizer. Measured on that step:
 - work, by a dispatch mode below the model: every op's FLOPs (torch's own formulas,
   on each DTensor's local shard: what this rank multiplies) and the bytes it reads and
   writes, what the GPU's roofline prices (predict/advise.py); the FLOPs a checkpointed block's
-  recompute adds, apart;
+  recompute adds, apart; and, beside them, what torch.compile would fuse and which GEMMs
+  Float8 would convert (FUSED, LINEAR, AMAX, CAST), so one step prices all four ways;
 - communication, by the same mode: every collective this rank issues (under fake
   tensors none reaches a process group: torch's Meta kernels answer them), by the mesh
   dimension of its group, in the anatomy's units (calls, and bytes as nccl-tests sizes
