@@ -277,8 +277,8 @@ def test_a_search_killed_halfway_leaves_the_rows_it_decided(advised, tmp_path):
     assert re.search(r"advise llama N=4: \d+/\d+ layouts, \d+ measured, \d+ s, about", log)
 
 
-def _advise_cli(tmp_path, *extra: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "parabench", "advise", "--config-json", json.dumps(CONFIG)]
+def _advise_cli(tmp_path, *extra: str, config: dict = CONFIG) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "parabench", "advise", "--config-json", json.dumps(config)]
     return subprocess.run(
         [*cmd, *extra, "--out", str(tmp_path)],
         capture_output=True,
@@ -312,26 +312,20 @@ def test_one_given_layout_is_priced_as_the_search_prices_it(advised, tmp_path):
     assert bad.stderr.startswith("parabench advise: --layout: the global batch of 16")
 
 
-def test_a_config_advise_cannot_use_is_refused_naming_its_key(tmp_path):
-    bad = {**CONFIG, "advise": {**CONFIG["advise"], "gpu": "h1000"}}
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "parabench",
-            "advise",
-            "--config-json",
-            json.dumps(bad),
-            "--out",
-            str(tmp_path),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=REPO,
-    )
-    assert proc.returncode == 2
-    assert "advise.gpu: 'h1000'" in proc.stderr and len(proc.stderr.splitlines()) == 1
+@pytest.mark.parametrize(
+    "change, extra, said",
+    [
+        ({"gpu": "h1000"}, (), "advise.gpu: 'h1000'"),
+        # Float8 on a card with no FP8 tensor cores, asked for on the command line
+        ({}, ("--gpu", "a100", "--float8"), "advise.float8: gpu 'a100'"),
+    ],
+)
+def test_a_config_advise_cannot_use_is_refused_naming_its_key(tmp_path, change, extra, said):
+    """One line naming the key, and no advise.csv."""
+    bad = {**CONFIG, "advise": {**CONFIG["advise"], **change}}
+    proc = _advise_cli(tmp_path, *extra, config=bad)
+    assert proc.returncode == 2, proc.stderr
+    assert said in proc.stderr and len(proc.stderr.splitlines()) == 1
     assert not (tmp_path / "advise.csv").exists()
 
 
