@@ -359,9 +359,8 @@ class Counting(TorchDispatchMode):
     def _weight(self, t: torch.Tensor) -> bool | None:
         """Whether `t` is a weight an nn.Linear multiplied by in its forward: converted
         (True) or not (False); None: no weight."""
-        st = t.untyped_storage()
-        e = self.weights.get(st._cdata)
-        return e[1] if e is not None and e[0]() is st else None
+        e = _live(self.weights, t.untyped_storage())
+        return e[1] if e is not None else None
 
     def _linear(self, phase: str, operands, out: torch.Tensor) -> bool:
         """Whether a GEMM is a converted nn.Linear's: inside one's forward (its weight,
@@ -450,36 +449,36 @@ class _Run:
         self.phase = phase
         self.read: dict[int, tuple[weakref.ref, int]] = {}
         self.written: dict[int, tuple[weakref.ref, int]] = {}  # live: storage -> entry
-        # [bytes, read back inside the run, storage key, the storage (weakly)]
-        self.entries: list[list] = []
-
-    @staticmethod
-    def _known(table: dict, st) -> bool:
-        e = table.get(st._cdata)
-        return e is not None and e[0]() is st
+        self.entries: list[list] = []  # [bytes, read back inside the run, the storage]
 
     def add(self, ins: list[torch.Tensor], outs: list[torch.Tensor]) -> None:
         for t in ins:
             st = t.untyped_storage()
-            if self._known(self.written, st):
-                self.entries[self.written[st._cdata][1]][1] = True
-            elif not self._known(self.read, st):
+            if (e := _live(self.written, st)) is not None:
+                self.entries[e[1]][1] = True
+            elif _live(self.read, st) is None:
                 self.read[st._cdata] = (weakref.ref(st), _nbytes(t))
         for t in outs:
             st = t.untyped_storage()
-            if self._known(self.written, st):
-                entry = self.entries[self.written[st._cdata][1]]
-                entry[0] = max(entry[0], _nbytes(t))
+            if (e := _live(self.written, st)) is not None:
+                self.entries[e[1]][0] = max(self.entries[e[1]][0], _nbytes(t))
             else:
                 self.written[st._cdata] = (weakref.ref(st), len(self.entries))
-                self.entries.append([_nbytes(t), False, st._cdata, weakref.ref(st)])
+                self.entries.append([_nbytes(t), False, weakref.ref(st)])
 
     def bytes(self) -> int:
         """Its reads from outside, and its writes that leave it: those it does not read
         back itself, and those still held when it ends (by the code after it, or saved
         for the backward); an intermediate it reads back and drops stays in registers."""
-        kept = sum(n for n, back, _, ref in self.entries if not back or ref() is not None)
+        kept = sum(n for n, back, ref in self.entries if not back or ref() is not None)
         return sum(n for _, n in self.read.values()) + kept
+
+
+def _live(table: dict[int, tuple], st: torch.UntypedStorage) -> tuple | None:
+    """`table`'s entry for storage `st` (by address, its weak reference first), if it is
+    `st`'s and not a freed storage's whose address `st` took."""
+    e = table.get(st._cdata)
+    return e if e is not None and e[0]() is st else None
 
 
 # A fake tensor's device, asked of it through every mode (FakeTensor dispatches its
