@@ -129,6 +129,45 @@ def test_a_deep_stage_measured_at_a_few_depths_is_the_stage_measured_whole(shape
     assert fakerank._SETTLED, "the first option's depth was kept for the second"
 
 
+# A vocabulary large beside its blocks, and gradients held whole (DDP, TP alone): at a
+# few blocks the step's peak is the loss's buffers at the forward's end; by 16 it is
+# the gradients at the backward's end, which grow faster with depth (as Llama 3.1 8B's
+# do between 8 and 16 blocks under DDP or TP 2 with full checkpointing).
+WIDE_VOCAB = ModelSpec.of(
+    "hf",
+    **{
+        **LLAMA.size_dict(),
+        "seq_len": 512,
+        "config": {
+            **LLAMA.size_dict()["config"],
+            "hidden_size": 256,
+            "intermediate_size": 512,
+            "vocab_size": 4096,
+        },
+    },
+)
+
+
+@pytest.mark.parametrize(
+    "layout", [Layout(dp_replicate=2, ac="full"), Layout(tp=2, ac="full")], ids=["ddp", "tp"]
+)
+def test_a_peak_that_moves_to_another_part_of_the_step_is_extended_part_by_part(layout):
+    """Extended from 3 and 4 blocks to 16, each part of the step (forward or backward,
+    first, inner or last block, before or after them, the optimizer) on its own line:
+    the peak and its split are the ones measured at 16 blocks, to the byte. One line
+    through the step's peaks at 3 and 4 blocks would follow the loss's part, and fall
+    short by over 3%."""
+    probe = fakerank.Probe(layout, micro=1)
+    low, high, whole = (fakerank.measure(WIDE_VOCAB, probe.replace(blocks=b)) for b in (3, 4, 16))
+    ext = fakerank.extended(low, high, 16)
+    assert ext.peak_bytes == whole.peak_bytes
+    assert ext.by_category == whole.by_category
+    one_line = low.peak_bytes + (high.peak_bytes - low.peak_bytes) * 13
+    assert one_line < 0.97 * whole.peak_bytes
+    # the peak moved: from the forward's end (activations, no gradients) to the gradients
+    assert not low.by_category.get("grad") and whole.by_category["grad"]
+
+
 @pytest.mark.parametrize(
     "strategy, shape",
     [

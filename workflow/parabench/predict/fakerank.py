@@ -45,7 +45,7 @@ import sys
 import threading
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import NamedTuple
 
 import torch
@@ -556,6 +556,11 @@ class Measured:
     # its parameters' elements, and of them the blocks' nn.Linear weights' (Float8's)
     params: int = 0
     linear_params: int = 0
+    # each part of the step's peak, and its categories (`_parts`): the step's peak is
+    # the largest; `extended` extends each
+    parts: dict[tuple[str, str], tuple[int, dict[str, int]]] = dataclasses.field(
+        default_factory=dict
+    )
 
     @property
     def linear_share(self) -> float:
@@ -760,6 +765,10 @@ def _tracker_class() -> type:
         def __init__(self) -> None:
             super().__init__()
             self.events: list[tuple[str, int, int]] = []
+            # the peak of each part of the step (`where`: which part an op runs in),
+            # with its categories: what `extended` extends part by part
+            self.where: Callable[[], tuple[str, str]] | None = None
+            self.part_peaks: dict[tuple[str, str], tuple[int, dict]] = {}
 
         def _update_snap(self, u_type, winfo, old_mem_consumed=None, old_reftype=None):
             super()._update_snap(u_type, winfo, old_mem_consumed, old_reftype)
@@ -782,6 +791,10 @@ def _tracker_class() -> type:
                 if self._peak_mem.get(dev, 0) < snap[_TOTAL_KEY]:
                     self._peak_mem[dev] = snap[_TOTAL_KEY]
                     self._peak_mem_snap[dev] = dict(snap)
+                if self.where is not None:
+                    part = self.where()
+                    if self.part_peaks.get(part, (-1,))[0] < snap[_TOTAL_KEY]:
+                        self.part_peaks[part] = (snap[_TOTAL_KEY], dict(snap))
 
     return PeakTracker
 
@@ -825,6 +838,35 @@ def total_tracker_class() -> type:
     return TotalTracker
 
 
+def _parts(tracker, blocks: list[nn.Module], counting: Counting) -> Callable[[], tuple[str, str]]:
+    """Which part of the step an op runs in: the optimizer; or the forward or the
+    backward, in the first, last or an inner block, or outside them, before or after
+    the blocks ran. Each part's peak is a line in the depth (an inner block's: the
+    first or the last inner one's, whichever the slopes favour, at every depth from 3),
+    where the step's peak can move from one part to another as blocks are added: the
+    loss's buffers at a few blocks, gradients held unsharded at 32 (`extended`)."""
+    index: dict[str, int] = {}
+    ran = set()  # the phases some block has run in
+
+    def where() -> tuple[str, str]:
+        if counting.phase == OPTIMIZER:
+            return (OPTIMIZER, "")
+        phase = BACKWARD if torch._C._current_graph_task_id() != -1 else FORWARD
+        mods = tracker._mod_tracker
+        if len(index) < len(blocks):  # named as the tracker first meets them
+            index.update(
+                (n, i) for i, b in enumerate(blocks) if (n := mods.get_known_fqn(b)) is not None
+            )
+        for name in mods.parents:
+            if (i := index.get(name)) is not None:
+                ran.add(phase)
+                last = len(blocks) - 1
+                return (phase, "first" if i == 0 else "last" if i == last else "inner")
+        return (phase, "after" if phase in ran else "before")
+
+    return where
+
+
 def measure(spec: ModelSpec, probe: Probe) -> Measured:
     """One rank's step at `probe` (and `probe.blocks` blocks, where set) under fake
     tensors: its peak memory by category, its work and its collectives."""
@@ -836,16 +878,16 @@ def measure(spec: ModelSpec, probe: Probe) -> Measured:
         tracker.track_external(r.module, r.optimizer)
         counting = Counting(r.dims, gathers_weights=probe.layout.dp_shard > 1)
         hooks = linears(r.module, r.model.blocks(), counting)
+        tracker.where = _parts(tracker, r.model.blocks(), counting)
         with hooks as weights, tracker, counting:
             step(r, counting)
         peak = tracker.get_tracker_snapshot("peak")
         shards = _shards(r.module, r.optimizer)
         params = sum(p.numel() for p in r.module.parameters())
     at = next(iter(peak.values())) if peak else {}
-    by = {str(getattr(k, "name", k)).lower(): int(v) for k, v in at.items() if k != "Total"}
     _MEASURED[key] = Measured(
         int(at.get("Total", 0)),
-        by,
+        _categories(at),
         counting.work,
         r.boundary[0],
         len(r.model.blocks()),
@@ -856,8 +898,15 @@ def measure(spec: ModelSpec, probe: Probe) -> Measured:
         reserved_bytes=allocator.replay(tracker.events).peak_reserved,
         params=params,
         linear_params=weights,
+        parts={k: (t, _categories(snap)) for k, (t, snap) in tracker.part_peaks.items()},
     )
     return _MEASURED[key]
+
+
+def _categories(snap: dict) -> dict[str, int]:
+    from torch.distributed._tools.mem_tracker import _TOTAL_KEY
+
+    return {str(getattr(k, "name", k)).lower(): int(v) for k, v in snap.items() if k != _TOTAL_KEY}
 
 
 # Each (spec, probe) measured in this process: a stage's depths are measured once for
@@ -1057,16 +1106,28 @@ def extended(low: Measured, high: Measured, blocks: int) -> Measured:
             }
             for op in set(lo) | set(hi)
         }
-    cats = set(low.by_category) | set(high.by_category)
-    by = {c: int(line(low.by_category.get(c, 0), high.by_category.get(c, 0))) for c in cats}
+    # each part's peak on its own line: the deeper step's peak is the largest of them
+    # (at a few blocks it may be another part's, with a smaller slope)
+    parts = {
+        k: (
+            line(low.parts[k][0], high.parts[k][0]),
+            _line_dict(low.parts[k][1], high.parts[k][1], line),
+        )
+        for k in set(low.parts) & set(high.parts)
+    }
+    if parts:
+        peak, by = max(parts.values(), key=lambda p: p[0])
+    else:
+        peak = line(low.peak_bytes, high.peak_bytes)
+        by = _line_dict(low.by_category, high.by_category, line)
     work = Work(ops, comm)
     shards = {
         k: line(low.shards.get(k, 0), high.shards.get(k, 0))
         for k in set(low.shards) | set(high.shards)
     }
     return Measured(
-        int(line(low.peak_bytes, high.peak_bytes)),
-        by,
+        int(peak),
+        {c: int(v) for c, v in by.items()},
         work,
         high.boundary_bytes,
         blocks,
@@ -1080,9 +1141,13 @@ def extended(low: Measured, high: Measured, blocks: int) -> Measured:
         # the reserve over the peak as at the deeper depth: each block's allocations
         # repeat the one before's, which the allocator's cached blocks serve (at a few
         # blocks the reserve still absorbs what a block adds: not a line to extend)
-        reserved_bytes=int(line(low.peak_bytes, high.peak_bytes))
-        + max(high.reserved_bytes - high.peak_bytes, 0),
+        reserved_bytes=int(peak) + max(high.reserved_bytes - high.peak_bytes, 0),
+        parts={k: (int(t), {c: int(v) for c, v in by_.items()}) for k, (t, by_) in parts.items()},
     )
+
+
+def _line_dict(low: dict, high: dict, line: Callable[[float, float], float]) -> dict:
+    return {k: line(low.get(k, 0), high.get(k, 0)) for k in set(low) | set(high)}
 
 
 # The first depth a stage is measured at: below it the step's peak falls elsewhere (at
