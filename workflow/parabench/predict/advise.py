@@ -17,8 +17,9 @@ Each is then, and says which:
 
 - **measured, memory**: one rank of it under fake tensors (predict/fakerank.py): its peak by
   torch's memory tracker, in its dtypes, at a few depths extended to its stage's
-  blocks, each part of the step on its own line. A pipeline's first stage holds the activations of its micro-batches in
-  flight (1F1B: up to pp; GPipe: all), one micro-batch's measured, the rest added;
+  blocks, each part of the step on its own line. A pipeline's first stage holds the
+  activations of its micro-batches in flight (1F1B: up to pp; GPipe: all), one
+  micro-batch's measured, the rest added;
 - **counted**: its ops' FLOPs and bytes, its collectives' bytes per mesh dimension;
 - **predicted, time**: compute, each op at the GPU's roofline (hardware/gpus.py), eager or
   as torch.compile fuses it, with BF16 or Float8 linears (`advise.compile`,

@@ -28,9 +28,10 @@ of one block takes about a second and allocates nothing. Why not a formula: the
 tracker sees what the code holds (FSDP's unsharded copies, autocast's casts, the loss's
 fp32 logits), which is where formulas go wrong.
 
-A stage of k blocks is measured at a few depths and extended linearly to its real depth
-(`at_blocks`, `extended`): identical blocks hold and do the same, which
-tests/test_advise.py checks against a measurement at full depth.
+A stage of k blocks is measured at a few depths and extended linearly to its real depth,
+each part of the step's peak on its own line (`at_blocks`, `extended`, `_parts`):
+identical blocks hold and do the same, which tests/test_advise.py checks against a
+measurement at full depth.
 """
 
 from __future__ import annotations
@@ -756,9 +757,10 @@ def _tracker_class() -> type:
     _shadows()
 
     class PeakTracker(MemTracker):
-        """torch's MemTracker keeping its step-wide peak only: its per-module peaks,
-        which advise reads none of, cost a pass over every module after every op (a
-        third of a fake step). Its snapshots at each module's end of forward stay. It
+        """torch's MemTracker keeping its step-wide peak and each part's (`where`,
+        `_parts`) only: its per-module peaks, which advise reads none of, cost a pass
+        over every module after every op (a third of a fake step). Its snapshots at
+        each module's end of forward stay. It
         logs every storage made, resized and freed, in order (`events`), for the
         caching allocator's model (predict/allocator.py)."""
 
@@ -787,14 +789,14 @@ def _tracker_class() -> type:
             return super().__torch_dispatch__(func, types, args, kwargs)
 
         def _update_peak_stats(self, peak_state) -> None:
+            part = self.where() if self.where is not None else None
             for dev, snap in self._curr_mem_snap.items():
                 if self._peak_mem.get(dev, 0) < snap[_TOTAL_KEY]:
                     self._peak_mem[dev] = snap[_TOTAL_KEY]
                     self._peak_mem_snap[dev] = dict(snap)
-                if self.where is not None:
-                    part = self.where()
-                    if self.part_peaks.get(part, (-1,))[0] < snap[_TOTAL_KEY]:
-                        self.part_peaks[part] = (snap[_TOTAL_KEY], dict(snap))
+                # one device (a rank's), as `measure` reads the peak
+                if part is not None and self.part_peaks.get(part, (-1,))[0] < snap[_TOTAL_KEY]:
+                    self.part_peaks[part] = (snap[_TOTAL_KEY], dict(snap))
 
     return PeakTracker
 
@@ -847,16 +849,17 @@ def _parts(tracker, blocks: list[nn.Module], counting: Counting) -> Callable[[],
     loss's buffers at a few blocks, gradients held unsharded at 32 (`extended`)."""
     index: dict[str, int] = {}
     ran = set()  # the phases some block has run in
+    named = [False]  # every block named in `index`
 
     def where() -> tuple[str, str]:
         if counting.phase == OPTIMIZER:
             return (OPTIMIZER, "")
         phase = BACKWARD if torch._C._current_graph_task_id() != -1 else FORWARD
         mods = tracker._mod_tracker
-        if len(index) < len(blocks):  # named as the tracker first meets them
-            index.update(
-                (n, i) for i, b in enumerate(blocks) if (n := mods.get_known_fqn(b)) is not None
-            )
+        if not named[0]:  # named as the tracker first meets them
+            names = [mods.get_known_fqn(b) for b in blocks]
+            index.update((n, i) for i, n in enumerate(names) if n is not None)
+            named[0] = None not in names
         for name in mods.parents:
             if (i := index.get(name)) is not None:
                 ran.add(phase)
@@ -878,13 +881,17 @@ def measure(spec: ModelSpec, probe: Probe) -> Measured:
         tracker.track_external(r.module, r.optimizer)
         counting = Counting(r.dims, gathers_weights=probe.layout.dp_shard > 1)
         hooks = linears(r.module, r.model.blocks(), counting)
-        tracker.where = _parts(tracker, r.model.blocks(), counting)
+        # the repeated blocks: a sequential model's embedding and head are outside them
+        tracker.where = _parts(tracker, checkpointing.repeated(r.model.blocks()), counting)
         with hooks as weights, tracker, counting:
             step(r, counting)
         peak = tracker.get_tracker_snapshot("peak")
         shards = _shards(r.module, r.optimizer)
         params = sum(p.numel() for p in r.module.parameters())
     at = next(iter(peak.values())) if peak else {}
+    parts = {k: (t, _categories(snap)) for k, (t, snap) in tracker.part_peaks.items()}
+    if parts and max(t for t, _ in parts.values()) != at.get("Total", 0):
+        raise RuntimeError("fakerank: the step's peak is no part's peak (_parts)")
     _MEASURED[key] = Measured(
         int(at.get("Total", 0)),
         _categories(at),
@@ -898,7 +905,7 @@ def measure(spec: ModelSpec, probe: Probe) -> Measured:
         reserved_bytes=allocator.replay(tracker.events).peak_reserved,
         params=params,
         linear_params=weights,
-        parts={k: (t, _categories(snap)) for k, (t, snap) in tracker.part_peaks.items()},
+        parts=parts,
     )
     return _MEASURED[key]
 
@@ -1049,6 +1056,7 @@ def at_shard(m: Measured, dp_shard: int, replicas: int = 1) -> Measured:
         work=Work(ops, comm),
         sharded_at=dp_shard,
         derived_from=s0,
+        parts={},  # not derived part by part: nothing extends a derived rank
     )
 
 
@@ -1108,12 +1116,16 @@ def extended(low: Measured, high: Measured, blocks: int) -> Measured:
         }
     # each part's peak on its own line: the deeper step's peak is the largest of them
     # (at a few blocks it may be another part's, with a smaller slope)
-    parts = {
-        k: (
-            line(low.parts[k][0], high.parts[k][0]),
-            _line_dict(low.parts[k][1], high.parts[k][1], line),
+    if set(low.parts) != set(high.parts):
+        raise ValueError(
+            f"fakerank: blocks {low.blocks} and {high.blocks} ran different parts of the step"
         )
-        for k in set(low.parts) & set(high.parts)
+    parts = {
+        part: (
+            line(low.parts[part][0], high.parts[part][0]),
+            _line_dict(low.parts[part][1], high.parts[part][1], line),
+        )
+        for part in low.parts
     }
     if parts:
         peak, by = max(parts.values(), key=lambda p: p[0])
@@ -1142,7 +1154,9 @@ def extended(low: Measured, high: Measured, blocks: int) -> Measured:
         # repeat the one before's, which the allocator's cached blocks serve (at a few
         # blocks the reserve still absorbs what a block adds: not a line to extend)
         reserved_bytes=int(peak) + max(high.reserved_bytes - high.peak_bytes, 0),
-        parts={k: (int(t), {c: int(v) for c, v in by_.items()}) for k, (t, by_) in parts.items()},
+        parts={
+            part: (int(t), {c: int(v) for c, v in by_.items()}) for part, (t, by_) in parts.items()
+        },
     )
 
 
@@ -1165,10 +1179,18 @@ SETTLED = 0.01
 _SETTLED: dict[tuple, int] = {}
 
 
+def _settled(three: list[Measured]) -> bool:
+    """Whether three successive depths added the same twice (within SETTLED): to the
+    step's peak, and to each part's (each is extended on its own line)."""
+    lines = [[m.peak_bytes for m in three]]
+    lines += [[m.parts.get(part, (0,))[0] for m in three] for part in three[-1].parts]
+    return all(abs((c - b) - (b - a)) <= SETTLED * max(abs(c - b), 1) for a, b, c in lines)
+
+
 def at_blocks(spec: ModelSpec, probe: Probe, blocks: int) -> Measured:
     """The rank of `probe` with `blocks` repeated blocks: measured at successive depths
-    from FIRST_PROBE until two successive blocks add the same to the peak (the peak has
-    settled in the phase of the step that grows with depth: tests/test_advise.py), then
+    from FIRST_PROBE until two successive blocks add the same to the peak and to each
+    part's (`_settled`: the step's parts have settled into lines: tests/test_advise.py), then
     extended from the last two; measured at `blocks` itself where the search gets there
     first, or where the model's depth cannot be set."""
     if depth(spec) is None:
@@ -1185,8 +1207,7 @@ def at_blocks(spec: ModelSpec, probe: Probe, blocks: int) -> Measured:
         if k >= blocks:
             return measure(spec, probe.replace(blocks=blocks))
         probes.append(measure(spec, probe.replace(blocks=k)))
-        a, b, c = (p.peak_bytes for p in probes[-3:])
-        if abs((c - b) - (b - a)) <= SETTLED * max(abs(c - b), 1):
+        if _settled(probes[-3:]):
             # extended from the depths every later rank of the shape is (so that the
             # order a search measures in changes nothing)
             _SETTLED[key] = probes[-3].blocks
