@@ -129,6 +129,41 @@ def test_a_deep_stage_measured_at_a_few_depths_is_the_stage_measured_whole(shape
     assert fakerank._SETTLED, "the first option's depth was kept for the second"
 
 
+@pytest.mark.parametrize(
+    "layout", [Layout(dp_shard=2, tp=2, sequence_parallel=True), Layout(dp_replicate=2)]
+)
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
+def test_the_optimizer_state_made_directly_is_the_state_a_step_makes(layout, optimizer):
+    """A rank's optimizer state, made without a step (fakerank.initial_state), is the
+    state torch's first step makes: the same keys, and tensors of the same kind (DTensor
+    with the same placements, or not), shape, dtype and device, for every parameter."""
+
+    def described(state) -> dict:
+        return {
+            k: (
+                type(t).__name__,
+                tuple(t.shape),
+                t.dtype,
+                t.device.type,
+                getattr(t, "placements", None),
+            )
+            for k, t in state.items()
+        }
+
+    probe = fakerank.Probe(layout, micro=1, optimizer=optimizer)
+    with fakerank.rank(LLAMA, probe) as r:
+        stepped = fakerank._optimizer(r.module, probe)
+        for p in r.module.parameters():
+            p.grad = torch.zeros_like(p)
+        stepped.step()
+        stepped.zero_grad(set_to_none=True)
+        params = list(r.module.parameters())
+        made = [described(r.optimizer.state[p]) for p in params]
+        want = [described(stepped.state[p]) for p in params]
+    assert made == want
+    assert all(made) == (optimizer == "adamw")  # AdamW's has state; SGD's none
+
+
 # A vocabulary large beside its blocks, and gradients held whole (DDP, TP alone): at a
 # few blocks the step's peak is the loss's buffers at the forward's end; by 16 it is
 # the gradients at the backward's end, which grow faster with depth (as Llama 3.1 8B's

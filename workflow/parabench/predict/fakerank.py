@@ -616,6 +616,27 @@ def _optimizer(module: nn.Module, probe: Probe) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=1e-4, foreach=False)
 
 
+def initial_state(opt: torch.optim.Optimizer) -> None:
+    """The state `opt` holds from its first step on, which torch makes lazily in that
+    step: AdamW's two moments, zeros like each parameter (a DTensor like a DTensor), and
+    its step count on the CPU, as Adam._init_group makes them; SGD without momentum
+    holds none. Made directly: a step's arithmetic over fake DTensors was a fifth of a
+    measurement (tests/test_advise.py checks this against the state a step makes)."""
+    if not isinstance(opt, torch.optim.AdamW):
+        if not isinstance(opt, torch.optim.SGD) or any(g["momentum"] for g in opt.param_groups):
+            raise TypeError(f"fakerank: no initial state known for {type(opt).__name__}")
+        return
+    for group in opt.param_groups:
+        if group["amsgrad"] or group["fused"] or group["capturable"]:
+            raise TypeError("fakerank: AdamW's initial state is known without amsgrad, fused")
+        for p in group["params"]:
+            opt.state[p] = {
+                "step": torch.tensor(0.0),  # the default dtype, torch's scalar dtype
+                "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
+                "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format),
+            }
+
+
 @dataclasses.dataclass
 class Rank:
     """One rank of a layout, built and ready to step (`rank`)."""
@@ -639,7 +660,7 @@ def rank(spec: ModelSpec, probe: Probe, fake: bool = True) -> Iterator[Rank]:
     built on the meta device, parallelized there by the cells' own `parallelize`, then
     given storage: fake (nothing allocated) or, `fake` False, real
     (tests/test_advise.py checks one against the other). The optimizer's state is made,
-    as every step after the first holds it."""
+    as every step after the first holds it (`initial_state`)."""
     if probe.blocks:
         spec = at_depth(spec, probe.blocks)
     with _fake_world(probe.world), quiet_fake():
@@ -659,10 +680,7 @@ def rank(spec: ModelSpec, probe: Probe, fake: bool = True) -> Iterator[Rank]:
         with fake_mode() if fake else contextlib.nullcontext():
             model.module.to_empty(device="cpu")
             opt = _optimizer(model.module, probe)
-            for p in model.module.parameters():
-                p.grad = torch.zeros_like(p)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+            initial_state(opt)
             batch = model.batch(probe.micro, torch.Generator().manual_seed(0))
             yield Rank(model, opt, batch, probe, par, dims, boundary)
 
