@@ -82,13 +82,16 @@ _MAMF = (
 )
 
 # Hopper's dense FP8 rate is twice its BF16 one (1,979 against 989 TFLOP/s: NVIDIA's
-# H100 datasheet, halved from its with-sparsity figures). No MAMF table lists FP8, so
-# the achievable FP8 rate is the BF16 MAMF's share of peak at the FP8 peak: 1,589
-# TFLOP/s. A published FP8 GEMM of 8,192 cubed on an H800 SXM (H100's SMs and clocks)
-# ran at 1,507 TFLOP/s (tile-ai/tilelang, benchmark/matmul_fp8/README.md): 5% under.
+# H100 datasheet, halved from its with-sparsity figures). The MAMF table lists FP8 for
+# no H100, so the achievable FP8 rate is the BF16 MAMF's share of peak at the FP8 peak:
+# 1,589 TFLOP/s. Two measurements of the same silicon run under it: the table's FP8 row
+# for GH200 (H100's SMs at 900 W), 1,535 TFLOP/s, 3% under; a published FP8 GEMM of 8,192
+# cubed on an H800 SXM, 1,507 TFLOP/s (tile-ai/tilelang,
+# benchmark/matmul_fp8/README.md), 5% under.
 _FP8 = (
     "FP8 1,589 TFLOP/s (the BF16 MAMF's 80.3% of the 1,979 TFLOP/s dense FP8 peak; "
-    "tilelang's FP8 GEMM at 8,192 cubed on H800 SXM: 1,507)"
+    "the MAMF table's FP8 on GH200: 1,535; tilelang's FP8 GEMM at 8,192 cubed on H800 "
+    "SXM: 1,507)"
 )
 _H100_SXM = "H100 SXM 80 GB HBM3 at 700 W: 989 TFLOP/s dense BF16, 3.35 TB/s (datasheet)"
 _H200_SXM = "H200 SXM 141 GB HBM3e: 989 TFLOP/s dense BF16, 4.8 TB/s (datasheet)"
@@ -96,6 +99,11 @@ _A100_SXM_80 = "A100 SXM 80 GB HBM2e: 312 TFLOP/s dense BF16, 2,039 GB/s (datash
 _FA2_A100 = (
     "attention 156 TFLOP/s (FlashAttention-2's paper: 50-73% of peak on A100, its lower end)"
 )
+
+# The H100 SXM's MAMF over its peak (794.5 of 989 TFLOP/s), and the middle of the range
+# torchtitan's footnote gives its 500 W HBM2e H100's peak: between the NVL's and the SXM's
+_H100_MAMF_SHARE = 794.5 / 989
+_H100_500W_PEAK = (989e12 + 835.5e12) / 2
 
 PROFILES: dict[str, GPU] = {
     "h100": GPU(
@@ -112,16 +120,18 @@ PROFILES: dict[str, GPU] = {
     "h100-96gb-500w": GPU(
         "h100-96gb-500w",
         989e12,
-        794.5e12,
+        _H100_500W_PEAK * _H100_MAMF_SHARE,
         96 * GiB,
         2.4e12,
         "H100 with 96 GB HBM2e at 2.4 TB/s and a 500 W power limit, as in torchtitan's "
-        "benchmarks/llama3_h100_202412_torchtitan.md (which divides by the SXM peak, "
-        f"989 TFLOP/s); achievable 794.5 TFLOP/s, the 700 W SXM's ({_MAMF}): the power "
-        f"limit lowers it by an amount no source states, so predictions err fast; {_FA2_H100}; "
-        f"{_FP8}",
-        attention_flops=0.35 * 989e12,
-        fp8_flops=2 * 794.5e12,
+        "benchmarks/llama3_h100_202412_torchtitan.md, whose footnote puts its peak "
+        "'between SXM and NVL' (989 and 835.5 TFLOP/s dense BF16: NVIDIA's H100 datasheet, "
+        "halved from its with-sparsity figures) and unknown within; its MFU divides by the "
+        "SXM's. Priced at the middle, 912 TFLOP/s: achievable 733 TFLOP/s, the SXM's MAMF "
+        f"share ({_MAMF}: 80.3%); attention and FP8 as on the SXM, at this peak. The range's "
+        "ends move a predicted step by about 8% either way (docs/design/advise.md)",
+        attention_flops=0.35 * _H100_500W_PEAK,
+        fp8_flops=2 * _H100_500W_PEAK * _H100_MAMF_SHARE,
     ),
     "h200": GPU(
         "h200",
