@@ -53,3 +53,19 @@ def test_the_command_line_means_what_a_config_file_means(tmp_path):
     proc = snakemake(tmp_path, "-n", "--config", "devices=[1,two]", config=tiny_config())
     said = proc.stdout + proc.stderr
     assert proc.returncode != 0 and "devices.1: 'two' is not of type 'integer'" in said, said
+
+
+def test_the_cells_refuse_the_schedule_only_advise_prices():
+    """Interleaved 1F1B (virtual stages) is a layout advise prices, not one the cells
+    run (one stage a rank: pipeline.SCHEDULES): refused naming the option, before
+    any job."""
+    config = cfg.checked(
+        tiny_config(
+            strategies=["pipeline"],
+            devices=[2],
+            options={"pipeline": {"schedule": "interleaved", "microbatches": 4}},
+        )
+    )
+    assert cfg.problems(config) == [
+        "options.pipeline.schedule: must be one of ['gpipe', '1f1b'], got 'interleaved'"
+    ]

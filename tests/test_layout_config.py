@@ -184,7 +184,7 @@ def test_a_layout_labels_itself_and_says_what_is_wrong_naming_the_key():
     assert Layout(tp=0, ac="most", pp=2, schedule="zb").problems("advise.layout") == [
         "advise.layout.tp: must be an integer >= 1, got 0",
         "advise.layout.ac: must match none|full|selective|every[2-9], got 'most'",
-        "advise.layout.schedule: must be one of ['gpipe', '1f1b'], got 'zb'",
+        "advise.layout.schedule: must be one of ['gpipe', '1f1b', 'interleaved'], got 'zb'",
     ]
     # a record's declaration names the option at fault
     rec = CATALOG["fsdp_tp"]
@@ -199,6 +199,7 @@ def test_a_layout_labels_itself_and_says_what_is_wrong_naming_the_key():
         "FSDP 32 × TP 8, SP, full AC",
         "FSDP 8 × TP 8 × PP 8, SP, ZeRO-2, 1F1B, full AC",
         "HSDP 4×8 × PP 2, ZeRO-2, GPipe",
+        "FSDP 8 × TP 8 × PP 8, SP, ZeRO-2, Interleaved 1F1B, full AC",
         "DDP 64, selective AC",
         "TP 4, no SP",
         "one device",

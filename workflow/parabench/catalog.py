@@ -156,7 +156,10 @@ class StrategyRecord:
 _PIPELINE_OPTIONS = {
     "microbatches": Option(4, "micro-batches per optimizer step", minimum=1),
     "schedule": Option(
-        "gpipe", "gpipe (all forwards, then all backwards) or 1f1b", choices=("gpipe", "1f1b")
+        "gpipe",
+        "gpipe (all forwards, then all backwards) or 1f1b (Interleaved 1F1B is advise's only: "
+        "a cell runs one stage a rank)",
+        choices=("gpipe", "1f1b"),
     ),
 }
 

@@ -29,7 +29,11 @@ REST = "rest"
 # backward); selective (torchtitan's per-op policy: matmuls, attention and collectives
 # saved, the cheap elementwise ops recomputed); every<k> (every k-th block in full).
 AC_PATTERN = r"none|full|selective|every[2-9]"
-SCHEDULES = ("gpipe", "1f1b")
+# A pipeline's schedule, as torch.distributed.pipelining names it: ScheduleGPipe,
+# Schedule1F1B, ScheduleInterleaved1F1B (virtual stages: advise prices it; the cells
+# run one stage a rank, pipeline.SCHEDULES)
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
+_SCHEDULE_LABELS = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved": "Interleaved 1F1B"}
 
 
 @dataclass(frozen=True)
@@ -182,8 +186,8 @@ class Layout:
                 settings["sequence_parallel"] = low == "sp"
             elif m := re.fullmatch(r"zero-?([023])", low):
                 settings["zero"] = int(m.group(1))
-            elif low in SCHEDULES:
-                settings["schedule"] = low
+            elif low in SCHEDULES or low == "interleaved 1f1b":
+                settings["schedule"] = low.split()[0]
             elif low == "one device":
                 continue
             else:
@@ -238,7 +242,7 @@ class Layout:
         if self.dp_shard > 1 and self.zero == 2:
             parts.append("ZeRO-2")
         if self.pp > 1:
-            parts.append({"gpipe": "GPipe"}.get(self.schedule, self.schedule.upper()))
+            parts.append(_SCHEDULE_LABELS.get(self.schedule, self.schedule))
         if self.ac != "none":
             parts.append(f"{self.ac} AC")
         return ", ".join(parts)

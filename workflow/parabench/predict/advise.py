@@ -39,7 +39,8 @@ worker processes side by side, those of one shape in one worker.
 
 Whether it fits: on a GPU, what the card would hold (the caching allocator's reserved
 peak, the CUDA context, NCCL's buffers per process group: gpus.fits); a pipeline's
-FSDP stage also holds its gradients whole over its micro-batches (accumulated_grads).
+FSDP stage also holds its gradients whole over its micro-batches, where its schedule
+holds most (held).
 
 results/advise.csv holds every candidate (columns: docs/results.md), the recommended
 one ranked 1: the fastest that fits.
@@ -47,8 +48,10 @@ one ranked 1: the fastest that fits.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
+import functools
 import json
 import math
 import re
@@ -71,7 +74,10 @@ DDP_BUCKET_BYTES, DDP_FIRST_BUCKET_BYTES = 25 * 2**20, 2**20
 MAX_PP = 16  # deeper pipelines need global batches beyond what training runs use
 MICRO_CAP = 16  # samples per micro-batch tried, at most
 AC_ORDER = ("none", "selective", "full")
-SCHEDULES = ("1f1b", "gpipe")
+SCHEDULES = ("1f1b", "interleaved", "gpipe")
+# Interleaved 1F1B's stages a rank: torchtitan's for a looped schedule when the split
+# is not given (generate_split_points: num_stages_per_rank = 2)
+VIRTUAL_STAGES = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,6 +156,13 @@ def candidates(
                                         f"for {pp} stages (torch's Schedule1F1B refuses it)",
                                         "skipped",
                                     )
+                                elif schedule == "interleaved" and depth < pp * VIRTUAL_STAGES:
+                                    yield (
+                                        c,
+                                        f"Interleaved 1F1B needs a block for each of {pp} x "
+                                        f"{VIRTUAL_STAGES} stages: the model has {depth}",
+                                        "skipped",
+                                    )
                                 elif schedule == "gpipe" and c.accumulation >= pp:
                                     yield (
                                         c,
@@ -187,30 +200,99 @@ def stage_blocks(blocks: int, pp: int) -> int:
     return math.ceil(blocks / pp)
 
 
-def in_flight(c: Candidate) -> int:
-    """Micro-batches whose activations a pipeline's first stage holds at once: 1F1B
-    runs a backward as soon as the pipeline is full (pp of them), GPipe all forwards
-    first."""
+def rank0_order(schedule: str, pp: int, micro_batches: int) -> tuple[tuple[str, int], ...]:
+    """A pipeline's first rank's compute, in order, as torch's schedule runs it: each
+    ("F" or "B", the stage it runs). 1F1B warms up with pp - 1 forwards, then pairs a
+    forward with a backward, then drains (Schedule1F1B); GPipe runs every forward first;
+    Interleaved 1F1B's order is torch's own (ScheduleInterleaved1F1B, VIRTUAL_STAGES
+    stages a rank, from torch's schedule visualizer)."""
+    m = micro_batches
+    if schedule == "gpipe":
+        return (("F", 0),) * m + (("B", 0),) * m
+    if schedule == "1f1b":
+        w = min(pp - 1, m)
+        return (("F", 0),) * w + (("F", 0), ("B", 0)) * (m - w) + (("B", 0),) * w
+    return _interleaved_order(pp, m)
+
+
+@functools.cache
+def _interleaved_order(pp: int, micro_batches: int) -> tuple[tuple[str, int], ...]:
+    from torch.distributed.pipelining import schedules
+    from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
+
+    kind = schedules._ComputationType
+    names = {kind.FORWARD: "F", kind.FULL_BACKWARD: "B", kind.BACKWARD_INPUT: "B"}
+    ops = get_schedule_ops(
+        schedules.ScheduleInterleaved1F1B, pp, micro_batches, num_stages_per_rank=VIRTUAL_STAGES
+    )[0]
+    return tuple(
+        (names[a.computation_type], a.stage_index)
+        for a in ops
+        if a is not None and a.computation_type in names
+    )
+
+
+@functools.cache
+def _held_points(schedule: str, pp: int, micro_batches: int) -> tuple[tuple[float, float], ...]:
+    """Each moment of the first rank's schedule where what it holds can peak: during a
+    forward (its activations just saved) and during a backward (the stage's gradients
+    there, its activations not yet freed). Each as (micro-batches of the whole stage's
+    saved activations, share of the stage's parameters whose gradients are held
+    unsharded): a stage of a rank's v stages holds from its first backward to its
+    last, when torch reduces them (`_add_reduce_grad`: "reduce_grad frees memory")."""
+    v = VIRTUAL_STAGES if schedule == "interleaved" else 1
+    order = rank0_order(schedule, pp, micro_batches)
+    backwards = collections.Counter(stage for kind, stage in order if kind == "B")
+    seen: collections.Counter = collections.Counter()
+    acts, grads, points = 0, 0, []
+    for kind, stage in order:
+        if kind == "F":
+            acts += 1
+            points.append((acts / v, grads / v))
+            continue
+        if not seen[stage]:
+            grads += 1
+        seen[stage] += 1
+        points.append((acts / v, grads / v))
+        acts -= 1
+        if seen[stage] == backwards[stage]:
+            grads -= 1  # reduced: its sharded gradient stays, as in the measured step
+    return tuple(points)
+
+
+@dataclasses.dataclass(frozen=True)
+class Held:
+    """What a pipeline's first stage holds beyond the one micro-batch's step measured,
+    where its schedule holds most (`held`)."""
+
+    micro_batches: float = 0.0  # other micro-batches' saved activations, in flight
+    grads: int = 0  # bytes of gradients held unsharded, beyond the measured peak's
+
+
+def held(c: Candidate, m) -> Held:
+    """The moment of `c`'s pipeline schedule where its first rank holds most
+    (`_held_points`), as the measured micro-batch's step `m` prices each: a micro-batch
+    in flight holds what the stage's blocks saved for one (m.block_saved_bytes); with
+    FSDP and more than one micro-batch, each stage's gradients are held whole between
+    its first backward and its last. torch's PipelineStage turns FSDP's gradient sync
+    and resharding off for every backward but the last (set_requires_gradient_sync
+    (False), set_reshard_after_backward(False)), and FSDP2 keeps each gradient
+    unsharded in the reduce dtype meanwhile (`unsharded_accumulated_grad`: fp32 under
+    bf16 mixed precision): 4 bytes an element of the stage's tp-local parameters, less
+    the gradients the measured step held at its peak. 1F1B and GPipe hold all of both
+    at once; Interleaved 1F1B reduces one stage's before its other's first backward."""
     lay = c.layout
     if lay.pp == 1:
-        return 1
-    return min(lay.pp, c.accumulation) if lay.schedule == "1f1b" else c.accumulation
-
-
-def accumulated_grads(c: Candidate, m) -> int:
-    """What a pipeline's FSDP stage holds beyond one micro-batch's step: its gradients,
-    unsharded, accumulated over the step's micro-batches. torch's PipelineStage turns
-    FSDP's gradient sync and resharding off for each micro-batch's backward
-    (set_requires_gradient_sync(False), set_reshard_after_backward(False)) and reduces
-    once after the last; meanwhile FSDP2 keeps each parameter's gradient whole, in the
-    reduce dtype (`unsharded_accumulated_grad`: fp32 under bf16 mixed precision; fp32
-    gradients without it): 4 bytes an element of the stage's tp-local parameters, less
-    the gradients the measured step held at its peak."""
-    lay = c.layout
-    if lay.pp == 1 or lay.dp_shard == 1 or c.accumulation == 1:
-        return 0
-    elements = sum(n * k.rows * k.row_elements for k, n in m.shards.items())
-    return max(int(4 * elements) - m.by_category.get("grad", 0), 0)
+        return Held()
+    whole = 0
+    if lay.dp_shard > 1 and c.accumulation > 1:
+        whole = int(4 * sum(n * k.rows * k.row_elements for k, n in m.shards.items()))
+    acts, share = max(
+        _held_points(lay.schedule, lay.pp, c.accumulation),
+        key=lambda p: p[0] * m.block_saved_bytes + p[1] * whole,
+    )
+    grads = max(int(share * whole) - m.by_category.get("grad", 0), 0) if share * whole else 0
+    return Held(acts - 1, grads)
 
 
 def collectives(m, lay: Layout, float8: bool = False) -> dict:
@@ -307,7 +389,11 @@ def predict(
         # neighbouring stages are a stage's dp x tp ranks apart: the link that spans
         span = 2 * lay.dp * lay.tp
         p2p = 2 * (lay.pp - 1) * fabric.time("send", 2, m.boundary_bytes, span)
-    bubble = (lay.pp - 1) * micro_s  # (pp - 1)/m of m micro-batches' compute
+    # (pp - 1)/m of m micro-batches' compute; interleaved, its stages a rank each fill
+    # and drain in 1/v of the time (Narayanan et al. 2021, torch's Interleaved1F1B)
+    bubble = (lay.pp - 1) * micro_s
+    if lay.schedule == "interleaved":
+        bubble /= VIRTUAL_STAGES
     step = compute + comm + p2p + bubble
     model_flops = a * m.work.flops(STEP) + m.work.flops(OPTIMIZER)
     samples = c.micro * a * lay.dp
@@ -346,8 +432,8 @@ def leaves_out(layout: Layout, compiled: bool = False, float8: bool = False) -> 
         out.append("async TP")
         if float8:
             out.append("Float8 in TP's collectives")
-    if layout.pp > 1:
-        out.append("interleaved (virtual) stages")
+    if layout.schedule == "interleaved":
+        out.append("the rank's transfers between its own stages (v x 1F1B's), taken as hidden")
     return "; ".join(out)
 
 
@@ -471,8 +557,8 @@ class Search:
         if isinstance(m, str):
             return {**row, "status": "failed", "reason": m}
         # the first stage's other micro-batches in flight: what its blocks saved for each
-        extra = (in_flight(c) - 1) * m.block_saved_bytes
-        accumulated = accumulated_grads(c, m)
+        kept = held(c, m)
+        extra, accumulated = int(kept.micro_batches * m.block_saved_bytes), kept.grads
         peak = m.peak_bytes + extra + accumulated
         how = f"measured at {m.blocks} blocks"
         if m.extended_from:
@@ -481,7 +567,7 @@ class Search:
         if m.derived_from:
             how += f"; derived from its rank with FSDP over {m.derived_from} (fakerank.at_shard)"
         if extra:
-            how += f"; {in_flight(c) - 1} more micro-batches' saved activations in flight added"
+            how += f"; {kept.micro_batches:g} more micro-batches' saved activations in flight added"
         if accumulated:
             how += (
                 "; the stage's unsharded fp32 gradients, accumulated over its micro-batches, added"
@@ -928,6 +1014,12 @@ def price(
         if why:
             raise ValueError(why)
         c = candidate(text, name, batch)
+        blocks, pp = fakerank.depth(spec), c.layout.pp
+        if c.layout.schedule == "interleaved" and blocks and blocks < pp * VIRTUAL_STAGES:
+            raise ValueError(
+                f"--layout: Interleaved 1F1B needs a block for each of {pp} x "
+                f"{VIRTUAL_STAGES} stages: {name} has {blocks}"
+            )
         search_ = searching({name: spec}, gpu, fabric, adv, log)
         row = {**search_.row(c, models.facts(spec), batch, tokens)}
         rows.append({**row, "params": fakerank.parameters(spec)})
@@ -1112,24 +1204,25 @@ def _torchtitan_rows(searcher: Search, spec: ModelSpec, runs: list[dict]) -> lis
     from parabench import models
     from parabench.predict import fakerank
 
-    t = runs[0]
-    layout = Layout(
-        pp=t["pp"],
-        dp_shard=t["dp_shard"],
-        tp=t["tp"],
-        zero=t["zero"],
-        ac=t["ac"],
-        schedule=t["schedule"] or "1f1b",
-    )
-    c = Candidate(t["model"], t["gpus"], layout, t["micro"], t["accumulation"])
-    facts, batch = models.facts(spec), c.micro * c.accumulation * layout.dp
-    params = fakerank.parameters(spec)
-    return [
-        {
-            **searcher.priced(r["compile"], r["float8"]).row(
-                c, facts, batch, tokens_per_sample(spec)
-            ),
-            "params": params,
-        }
-        for r in runs
-    ]
+    facts, params = models.facts(spec), fakerank.parameters(spec)
+
+    def candidate(t: dict) -> Candidate:
+        layout = Layout(
+            pp=t["pp"],
+            dp_shard=t["dp_shard"],
+            tp=t["tp"],
+            zero=t["zero"],
+            ac=t["ac"],
+            schedule=t["schedule"] or "1f1b",
+        )
+        return Candidate(t["model"], t["gpus"], layout, t["micro"], t["accumulation"])
+
+    rows = []
+    for r in runs:  # the schedule is not measured (fakerank.Probe): one measurement
+        c = candidate(r)
+        batch = c.micro * c.accumulation * c.layout.dp
+        row = searcher.priced(r["compile"], r["float8"]).row(
+            c, facts, batch, tokens_per_sample(spec)
+        )
+        rows.append({**row, "params": params})
+    return rows
