@@ -156,13 +156,10 @@ def candidates(
                                         f"for {pp} stages (torch's Schedule1F1B refuses it)",
                                         "skipped",
                                     )
-                                elif schedule == "interleaved" and depth < pp * VIRTUAL_STAGES:
-                                    yield (
-                                        c,
-                                        f"Interleaved 1F1B needs a block for each of {pp} x "
-                                        f"{VIRTUAL_STAGES} stages: the model has {depth}",
-                                        "skipped",
-                                    )
+                                elif schedule == "interleaved" and (
+                                    why := interleaved_refusal(pp, c.accumulation, depth)
+                                ):
+                                    yield (c, why, "skipped")
                                 elif schedule == "gpipe" and c.accumulation >= pp:
                                     yield (
                                         c,
@@ -200,10 +197,35 @@ def stage_blocks(blocks: int, pp: int) -> int:
     return math.ceil(blocks / pp)
 
 
+def interleaved_refusal(pp: int, micro_batches: int, depth: int | None) -> str:
+    """Why Interleaved 1F1B cannot run (or be priced) at pp stages of `micro_batches`
+    on a model of `depth` repeated blocks; "" where it can. torch refuses micro-batches
+    that are not a multiple of its rounds; with fewer micro-batches than stages its
+    rank idles between its own stages, which the bubble here does not price."""
+    if depth is not None and depth < pp * VIRTUAL_STAGES:
+        return (
+            f"Interleaved 1F1B needs a block for each of {pp} x {VIRTUAL_STAGES} stages: "
+            f"the model has {depth}"
+        )
+    if micro_batches < pp:
+        return (
+            f"Interleaved 1F1B with fewer micro-batches than stages ({micro_batches} for "
+            f"{pp}) idles between a rank's stages: not priced"
+        )
+    rounds = micro_batches // pp
+    if micro_batches % rounds:
+        return (
+            f"Interleaved 1F1B needs micro-batches a multiple of its rounds ({rounds}), "
+            f"got {micro_batches} (torch's ScheduleInterleaved1F1B refuses it)"
+        )
+    return ""
+
+
 def rank0_order(schedule: str, pp: int, micro_batches: int) -> tuple[tuple[str, int], ...]:
     """A pipeline's first rank's compute, in order, as torch's schedule runs it: each
-    ("F" or "B", the stage it runs). 1F1B warms up with pp - 1 forwards, then pairs a
-    forward with a backward, then drains (Schedule1F1B); GPipe runs every forward first;
+    ("F" or "B", the stage it runs). 1F1B runs min(m, pp) forwards, then alternates a
+    backward and a forward, then drains its backwards (Schedule1F1B, for m >= pp: the
+    same sequence as written here); GPipe runs every forward first;
     Interleaved 1F1B's order is torch's own (ScheduleInterleaved1F1B, VIRTUAL_STAGES
     stages a rank, from torch's schedule visualizer)."""
     m = micro_batches
@@ -273,26 +295,28 @@ def held(c: Candidate, m) -> Held:
     """The moment of `c`'s pipeline schedule where its first rank holds most
     (`_held_points`), as the measured micro-batch's step `m` prices each: a micro-batch
     in flight holds what the stage's blocks saved for one (m.block_saved_bytes); with
-    FSDP and more than one micro-batch, each stage's gradients are held whole between
-    its first backward and its last. torch's PipelineStage turns FSDP's gradient sync
-    and resharding off for every backward but the last (set_requires_gradient_sync
-    (False), set_reshard_after_backward(False)), and FSDP2 keeps each gradient
-    unsharded in the reduce dtype meanwhile (`unsharded_accumulated_grad`: fp32 under
-    bf16 mixed precision): 4 bytes an element of the stage's tp-local parameters, less
-    the gradients the measured step held at its peak. 1F1B and GPipe hold all of both
-    at once; Interleaved 1F1B reduces one stage's before its other's first backward."""
+    FSDP, each stage's gradients are held whole between its first backward and its
+    last. torch's PipelineStage turns FSDP's gradient sync and resharding off for every
+    backward (set_requires_gradient_sync(False), set_reshard_after_backward(False):
+    stage.py's backward_maybe_with_nosync) and reduces at the schedule's REDUCE_GRAD,
+    and FSDP2 keeps each gradient unsharded in the reduce dtype meanwhile
+    (`unsharded_accumulated_grad`: fp32 under bf16 mixed precision): 4 bytes an element
+    of the stage's tp-local parameters, less the gradients the measured step held at
+    its peak; a rank's stages taken as holding equal shares. 1F1B and GPipe hold all of
+    both at once; Interleaved 1F1B reduces one stage's before its other's first
+    backward."""
     lay = c.layout
     if lay.pp == 1:
         return Held()
     whole = 0
-    if lay.dp_shard > 1 and c.accumulation > 1:
+    if lay.dp_shard > 1:
         whole = int(4 * sum(n * k.rows * k.row_elements for k, n in m.shards.items()))
-    acts, share = max(
-        _held_points(lay.schedule, lay.pp, c.accumulation),
-        key=lambda p: p[0] * m.block_saved_bytes + p[1] * whole,
-    )
-    grads = max(int(share * whole) - m.by_category.get("grad", 0), 0) if share * whole else 0
-    return Held(acts - 1, grads)
+    measured_grads = m.by_category.get("grad", 0)
+    points = [
+        Held(acts - 1, max(int(share * whole) - measured_grads, 0) if share else 0)
+        for acts, share in _held_points(lay.schedule, lay.pp, c.accumulation)
+    ]
+    return max(points, key=lambda h: h.micro_batches * m.block_saved_bytes + h.grads)
 
 
 def collectives(m, lay: Layout, float8: bool = False) -> dict:
@@ -388,7 +412,9 @@ def predict(
     if lay.pp > 1:  # fill and drain wait on one transfer per boundary, each way
         # neighbouring stages are a stage's dp x tp ranks apart: the link that spans
         span = 2 * lay.dp * lay.tp
-        p2p = 2 * (lay.pp - 1) * fabric.time("send", 2, m.boundary_bytes, span)
+        # interleaved: a micro-batch crosses v x pp - 1 boundaries, the last back to rank 0
+        hops = lay.pp * (VIRTUAL_STAGES if lay.schedule == "interleaved" else 1) - 1
+        p2p = 2 * hops * fabric.time("send", 2, m.boundary_bytes, span)
     # (pp - 1)/m of m micro-batches' compute; interleaved, its stages a rank each fill
     # and drain in 1/v of the time (Narayanan et al. 2021, torch's Interleaved1F1B)
     bubble = (lay.pp - 1) * micro_s
@@ -433,7 +459,7 @@ def leaves_out(layout: Layout, compiled: bool = False, float8: bool = False) -> 
         if float8:
             out.append("Float8 in TP's collectives")
     if layout.schedule == "interleaved":
-        out.append("the rank's transfers between its own stages (v x 1F1B's), taken as hidden")
+        out.append("the split of a rank's blocks between its stages (taken as even)")
     return "; ".join(out)
 
 
@@ -815,10 +841,12 @@ def search(
         else:
             families.setdefault(_family(c), []).append(c)
     # (pp, tp, dp) -> families, lightest first: FSDP before DDP, ZeRO-3 before ZeRO-2
-    groups: dict[tuple[int, int, int], list[Candidate]] = {}
+    groups: dict[tuple, list[Candidate]] = {}
     for fam in sorted(families, key=lambda f: (f.layout.dp_replicate > 1, -f.layout.zero)):
         lay = fam.layout
-        groups.setdefault((lay.pp, lay.tp, lay.dp), []).append(fam)
+        # Interleaved 1F1B can hold less than 1F1B (a stage's gradients reduced early):
+        # never decided by another schedule's fit
+        groups.setdefault((lay.pp, lay.tp, lay.dp, lay.schedule == "interleaved"), []).append(fam)
 
     def tell(got: list[dict], families_done: int) -> None:
         if decided is not None:
@@ -1014,12 +1042,10 @@ def price(
         if why:
             raise ValueError(why)
         c = candidate(text, name, batch)
-        blocks, pp = fakerank.depth(spec), c.layout.pp
-        if c.layout.schedule == "interleaved" and blocks and blocks < pp * VIRTUAL_STAGES:
-            raise ValueError(
-                f"--layout: Interleaved 1F1B needs a block for each of {pp} x "
-                f"{VIRTUAL_STAGES} stages: {name} has {blocks}"
-            )
+        if c.layout.schedule == "interleaved" and (
+            why := interleaved_refusal(c.layout.pp, c.accumulation, fakerank.depth(spec))
+        ):
+            raise ValueError(f"--layout: {why}")
         search_ = searching({name: spec}, gpu, fabric, adv, log)
         row = {**search_.row(c, models.facts(spec), batch, tokens)}
         rows.append({**row, "params": fakerank.parameters(spec)})

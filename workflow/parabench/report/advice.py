@@ -79,9 +79,8 @@ def _sections(adv: pd.DataFrame) -> list[dict]:
             from parabench.hardware.gpus import usable as usable_bytes
 
             usable = usable_bytes(float(ok["device_memory_bytes"].iloc[0]))
-        # one row per layout, checkpointing and micro-batch: a pipeline's two schedules
-        # cost the same step, and the first listed stands for both
-        same = ["pp", "dp_replicate", "dp_shard", "tp", "ac", "micro_batch", "zero"]
+        # one row per layout, schedule, checkpointing and micro-batch
+        same = ["pp", "dp_replicate", "dp_shard", "tp", "ac", "micro_batch", "zero", "schedule"]
         distinct = fits.drop_duplicates(same)
         top = rows(distinct.head(1 + RUNNERS_UP))
         best = top[0] if top else None
