@@ -50,6 +50,9 @@ tests=(
     tests/test_advise.py::test_a_pipelines_transfers_are_priced_on_the_link_between_its_stages
     tests/test_advise.py::test_a_peak_of_exactly_the_usable_memory_fits
     tests/test_advise.py::test_a_pipelines_first_stage_holds_the_schedules_micro_batches
+    tests/test_advise.py::test_a_pipelines_fsdp_stage_holds_its_gradients_whole_over_its_micro_batches
+    tests/test_advise.py::test_interleaved_1f1b_holds_one_stages_gradients_at_its_peak_where_torch_reduces_them
+    tests/test_advise.py::test_interleaved_1f1b_is_searched_only_where_torch_runs_it_and_its_bubble_is_priced
     tests/test_advise.py::test_the_binding_term_is_the_larger_of_a_tenth_of_the_step
     tests/test_advise.py::test_the_largest_fit_is_found_by_bisection
     tests/test_advise.py::test_an_op_costs_its_roofline_bound_and_at_least_the_floor
