@@ -34,6 +34,11 @@ AC_PATTERN = r"none|full|selective|every[2-9]"
 # run one stage a rank, pipeline.SCHEDULES)
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 _SCHEDULE_LABELS = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved": "Interleaved 1F1B"}
+# what `parse` reads as a schedule: its name, or its label
+_SCHEDULE_READ = {
+    **{s: s for s in SCHEDULES},
+    **{v.lower(): k for k, v in _SCHEDULE_LABELS.items()},
+}
 
 
 @dataclass(frozen=True)
@@ -186,8 +191,8 @@ class Layout:
                 settings["sequence_parallel"] = low == "sp"
             elif m := re.fullmatch(r"zero-?([023])", low):
                 settings["zero"] = int(m.group(1))
-            elif low in SCHEDULES or low == "interleaved 1f1b":
-                settings["schedule"] = low.split()[0]
+            elif low in _SCHEDULE_READ:
+                settings["schedule"] = _SCHEDULE_READ[low]
             elif low == "one device":
                 continue
             else:

@@ -80,6 +80,11 @@ SCHEDULES = ("1f1b", "interleaved", "gpipe")
 VIRTUAL_STAGES = 2
 
 
+def stages_per_rank(schedule: str) -> int:
+    """The pipeline stages each rank runs under `schedule`."""
+    return VIRTUAL_STAGES if schedule == "interleaved" else 1
+
+
 @dataclasses.dataclass(frozen=True)
 class Candidate:
     """One way to run model `model` on `gpus` GPUs: a layout, and the micro-batch and
@@ -262,7 +267,7 @@ def _held_points(schedule: str, pp: int, micro_batches: int) -> tuple[tuple[floa
     saved activations, share of the stage's parameters whose gradients are held
     unsharded): a stage of a rank's v stages holds from its first backward to its
     last, when torch reduces them (`_add_reduce_grad`: "reduce_grad frees memory")."""
-    v = VIRTUAL_STAGES if schedule == "interleaved" else 1
+    v = stages_per_rank(schedule)
     order = rank0_order(schedule, pp, micro_batches)
     backwards = collections.Counter(stage for kind, stage in order if kind == "B")
     seen: collections.Counter = collections.Counter()
@@ -413,13 +418,11 @@ def predict(
         # neighbouring stages are a stage's dp x tp ranks apart: the link that spans
         span = 2 * lay.dp * lay.tp
         # interleaved: a micro-batch crosses v x pp - 1 boundaries, the last back to rank 0
-        hops = lay.pp * (VIRTUAL_STAGES if lay.schedule == "interleaved" else 1) - 1
+        hops = lay.pp * stages_per_rank(lay.schedule) - 1
         p2p = 2 * hops * fabric.time("send", 2, m.boundary_bytes, span)
     # (pp - 1)/m of m micro-batches' compute; interleaved, its stages a rank each fill
     # and drain in 1/v of the time (Narayanan et al. 2021, torch's Interleaved1F1B)
-    bubble = (lay.pp - 1) * micro_s
-    if lay.schedule == "interleaved":
-        bubble /= VIRTUAL_STAGES
+    bubble = (lay.pp - 1) * micro_s / stages_per_rank(lay.schedule)
     step = compute + comm + p2p + bubble
     model_flops = a * m.work.flops(STEP) + m.work.flops(OPTIMIZER)
     samples = c.micro * a * lay.dp
@@ -1231,21 +1234,17 @@ def _torchtitan_rows(searcher: Search, spec: ModelSpec, runs: list[dict]) -> lis
     from parabench.predict import fakerank
 
     facts, params = models.facts(spec), fakerank.parameters(spec)
-
-    def candidate(t: dict) -> Candidate:
-        layout = Layout(
-            pp=t["pp"],
-            dp_shard=t["dp_shard"],
-            tp=t["tp"],
-            zero=t["zero"],
-            ac=t["ac"],
-            schedule=t["schedule"] or "1f1b",
-        )
-        return Candidate(t["model"], t["gpus"], layout, t["micro"], t["accumulation"])
-
     rows = []
     for r in runs:  # the schedule is not measured (fakerank.Probe): one measurement
-        c = candidate(r)
+        layout = Layout(
+            pp=r["pp"],
+            dp_shard=r["dp_shard"],
+            tp=r["tp"],
+            zero=r["zero"],
+            ac=r["ac"],
+            schedule=r["schedule"] or "1f1b",
+        )
+        c = Candidate(r["model"], r["gpus"], layout, r["micro"], r["accumulation"])
         batch = c.micro * c.accumulation * c.layout.dp
         row = searcher.priced(r["compile"], r["float8"]).row(
             c, facts, batch, tokens_per_sample(spec)

@@ -778,9 +778,9 @@ def _tracker_class() -> type:
         """torch's MemTracker keeping its step-wide peak and each part's (`where`,
         `_parts`) only: its per-module peaks, which advise reads none of, cost a pass
         over every module after every op (a third of a fake step). Its snapshots at
-        each module's end of forward stay. It
-        logs every storage made, resized and freed, in order (`events`), for the
-        caching allocator's model (predict/allocator.py)."""
+        each module's end of forward stay. It logs every storage made, resized and
+        freed, in order (`events`), for the caching allocator's model
+        (predict/allocator.py)."""
 
         def __init__(self) -> None:
             super().__init__()
@@ -867,17 +867,18 @@ def _parts(tracker, blocks: list[nn.Module], counting: Counting) -> Callable[[],
     loss's buffers at a few blocks, gradients held unsharded at 32 (`extended`)."""
     index: dict[str, int] = {}
     ran = set()  # the phases some block has run in
-    named = [False]  # every block named in `index`
+    named = False  # every block named in `index`
 
     def where() -> tuple[str, str]:
+        nonlocal named
         if counting.phase == OPTIMIZER:
             return (OPTIMIZER, "")
         phase = BACKWARD if torch._C._current_graph_task_id() != -1 else FORWARD
         mods = tracker._mod_tracker
-        if not named[0]:  # named as the tracker first meets them
+        if not named:  # named as the tracker first meets them
             names = [mods.get_known_fqn(b) for b in blocks]
             index.update((n, i) for i, n in enumerate(names) if n is not None)
-            named[0] = None not in names
+            named = None not in names
         for name in mods.parents:
             if (i := index.get(name)) is not None:
                 ran.add(phase)
@@ -1140,24 +1141,21 @@ def extended(low: Measured, high: Measured, blocks: int) -> Measured:
         )
     parts = {
         part: (
-            line(low.parts[part][0], high.parts[part][0]),
-            _line_dict(low.parts[part][1], high.parts[part][1], line),
+            int(line(low.parts[part][0], high.parts[part][0])),
+            _line_dict(low.parts[part][1], high.parts[part][1], line, int),
         )
         for part in low.parts
     }
     if parts:
         peak, by = max(parts.values(), key=lambda p: p[0])
     else:
-        peak = line(low.peak_bytes, high.peak_bytes)
-        by = _line_dict(low.by_category, high.by_category, line)
+        peak = int(line(low.peak_bytes, high.peak_bytes))
+        by = _line_dict(low.by_category, high.by_category, line, int)
     work = Work(ops, comm)
-    shards = {
-        k: line(low.shards.get(k, 0), high.shards.get(k, 0))
-        for k in set(low.shards) | set(high.shards)
-    }
+    shards = _line_dict(low.shards, high.shards, line)
     return Measured(
-        int(peak),
-        {c: int(v) for c, v in by.items()},
+        peak,
+        by,
         work,
         high.boundary_bytes,
         blocks,
@@ -1171,15 +1169,16 @@ def extended(low: Measured, high: Measured, blocks: int) -> Measured:
         # the reserve over the peak as at the deeper depth: each block's allocations
         # repeat the one before's, which the allocator's cached blocks serve (at a few
         # blocks the reserve still absorbs what a block adds: not a line to extend)
-        reserved_bytes=int(peak) + max(high.reserved_bytes - high.peak_bytes, 0),
-        parts={
-            part: (int(t), {c: int(v) for c, v in by_.items()}) for part, (t, by_) in parts.items()
-        },
+        reserved_bytes=peak + max(high.reserved_bytes - high.peak_bytes, 0),
+        parts=parts,
     )
 
 
-def _line_dict(low: dict, high: dict, line: Callable[[float, float], float]) -> dict:
-    return {k: line(low.get(k, 0), high.get(k, 0)) for k in set(low) | set(high)}
+def _line_dict(
+    low: dict, high: dict, line: Callable[[float, float], float], kind: type = float
+) -> dict:
+    """Each key's value on `line` (missing: 0), as `kind`."""
+    return {k: kind(line(low.get(k, 0), high.get(k, 0))) for k in set(low) | set(high)}
 
 
 # The first depth a stage is measured at: below it the step's peak falls elsewhere (at
