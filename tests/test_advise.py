@@ -546,6 +546,8 @@ def test_the_ranking_check_sets_each_measured_layout_beside_its_prediction():
                 "zero": z,
                 "layout": f"{r}x{d}x{t}",
                 "step_s": step,
+                "compute_s": step / 2,
+                "roofline_compute_s": step / 4,
             }
             for (r, d, t, z), step in layouts.items()
         ]
@@ -553,6 +555,8 @@ def test_the_ranking_check_sets_each_measured_layout_beside_its_prediction():
     (check,) = ranking(adv, summary)
     got = {r["strategy"]: r for r in check["rows"]}
     assert got["fsdp"]["predicted_s"] == 0.070 and got["fsdp_tp"]["predicted_s"] == 0.050
+    # its compute beside the roofline's (timed here, or priced)
+    assert got["fsdp"]["compute_s"] == 0.035 and got["fsdp"]["roofline_compute_s"] == 0.0175
     for s, t in measured.items():
         assert got[s]["error"] == pytest.approx(got[s]["predicted_s"] / t - 1)
     assert check["top1"] and check["predicted_best"] == check["measured_best"] == "ddp"
@@ -734,6 +738,68 @@ def test_ranks_sharing_cores_compute_in_turn():
         got = advise.predict(c, m, cpu, UNIT_FABRIC, 0)
         assert got["compute_s"] == pytest.approx(slicing * (2 * (2 + 0.5) + 1)), cores
         assert got["recompute_s"] == pytest.approx(slicing * 2 * 0.5), cores
+
+
+def test_a_rank_timed_on_this_host_takes_the_rooflines_place():
+    """Timed (fakerank.timed): forward 2 s, backward 3 s, optimizer 1 s. The backward
+    is split as the roofline splits it (backward 1 s, recompute 0.5 s: a third is
+    recompute); 2 ranks on 1 core take turns. Compiled, each phase is scaled by what
+    compile saves on the roofline: the forward's memory-bound op (1 s of its 8)."""
+    work = fakerank.Work(
+        collections.Counter(
+            {
+                (fakerank.FORWARD, fakerank.MATMUL, 7e12, 0.0): 1,
+                (fakerank.FORWARD, fakerank.MEMORY, 0.0, 1e12): 1,
+                (fakerank.BACKWARD, fakerank.MATMUL, 1e12, 0.0): 1,
+                (fakerank.RECOMPUTE, fakerank.MATMUL, 0.5e12, 0.0): 1,
+                (fakerank.OPTIMIZER, fakerank.MATMUL, 9e12, 0.0): 1,
+            }
+        )
+    )
+    timed = {fakerank.FORWARD: 2.0, fakerank.BACKWARD: 3.0, fakerank.OPTIMIZER: 1.0}
+    cpu = dataclasses.replace(UNIT_GPU, bandwidth=1e12, cores=1)
+    c = _candidate(dp_shard=2, accumulation=2)
+    m = _measured(work)
+    got = advise.predict(c, m, cpu, UNIT_FABRIC, 0, timed=timed)
+    assert got["compute_s"] == pytest.approx(2 * (2 * (2 + 3) + 1))
+    assert got["recompute_s"] == pytest.approx(2 * 2 * 1.0)
+    compiled = advise.predict(c, m, cpu, UNIT_FABRIC, 0, compiled=True, timed=timed)
+    assert compiled["compute_s"] == pytest.approx(2 * (2 * (2 * 7 / 8 + 3) + 1))
+    # priced, the same step is the roofline's: 8 + 1.5 s a micro-batch, 9 s optimizer
+    assert advise.predict(c, m, cpu, UNIT_FABRIC, 0)["compute_s"] == pytest.approx(
+        2 * (2 * 9.5 + 9)
+    )
+
+
+def test_this_machine_times_each_rank_that_fits_and_says_so():
+    """On this host's CPU as the device, a rank that fits is run here on real tensors
+    (finite values: its parameters drawn, its collectives filled from its own data)
+    and timed, and the row says so; one that does not fit, or any GPU profile's, is
+    priced."""
+    spec = ModelSpec.of(**GPT)
+    host = gpus.GPU(gpus.THIS_MACHINE, 1e11, 1e11, 2**34, 1e10, "by hand", cores=2)
+    c = advise.Candidate("gpt", 4, Layout(dp_shard=2, tp=2), 2, 1)
+    probe = advise._probe(c, "fp32", "sgd")
+    with fakerank.rank(spec, probe, fake=False, local=True) as r:
+        fakerank.step(r)
+        shards = [fakerank._local(p) for p in r.module.parameters()]
+        assert all(torch.isfinite(t).all() and t.std() > 0 for t in shards)
+    search = advise.Search({"gpt": spec}, host, UNIT_FABRIC, "fp32", "sgd", log=lambda _: None)
+    row = search.row(c, None, 4, 16)
+    assert row["status"] == "ok" and row["fits"], row
+    assert row["compute_source"].startswith("timed here"), row["compute_source"]
+    ((key, phases),) = search.times.items()
+    assert key[-1] == 1  # 4 ranks on 2 cores: a core each, taking turns
+    assert all(v > 0 for v in phases.values())
+    assert row["compute_s"] == pytest.approx(2 * sum(phases.values()))  # 2 ranks a core
+    assert 0 < row["roofline_compute_s"] != row["compute_s"]
+    small = dataclasses.replace(host, memory_bytes=2**10)
+    priced = advise.Search({"gpt": spec}, small, UNIT_FABRIC, "fp32", "sgd", log=lambda _: None)
+    row = priced.row(c, None, 4, 16)
+    assert not row["fits"] and row["compute_source"].startswith("priced") and not priced.times
+    assert row["roofline_compute_s"] == row["compute_s"]
+    gpu = advise.Search({"gpt": spec}, UNIT_GPU, UNIT_FABRIC, "fp32", "sgd", log=lambda _: None)
+    assert gpu.row(c, None, 4, 16)["compute_source"].startswith("priced") and not gpu.times
 
 
 def test_a_pipelines_step_adds_its_fill_and_drain():

@@ -25,6 +25,7 @@ targets=(
     'parabench.analyze.equivalence.*'
     'parabench.analyze.stats.*'
     'parabench.predict.advise.x_predict__*'
+    'parabench.predict.advise.x__timed_phases__*'
     'parabench.predict.advise.x_binding__*'
     'parabench.predict.advise.x_held__*'
     'parabench.predict.advise.x__held_points__*'
@@ -46,6 +47,7 @@ tests=(
     # test_advise.py's other tests build models on fake tensors for minutes
     tests/test_advise.py::test_a_step_is_priced_from_its_ranks_work_and_the_fabric
     tests/test_advise.py::test_ranks_sharing_cores_compute_in_turn
+    tests/test_advise.py::test_a_rank_timed_on_this_host_takes_the_rooflines_place
     tests/test_advise.py::test_a_pipelines_step_adds_its_fill_and_drain
     tests/test_advise.py::test_a_pipelines_transfers_are_priced_on_the_link_between_its_stages
     tests/test_advise.py::test_a_peak_of_exactly_the_usable_memory_fits

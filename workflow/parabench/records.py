@@ -180,6 +180,8 @@ ADVISE_COLUMNS = (
     "fits",
     "compute_s",
     "recompute_s",
+    "compute_source",
+    "roofline_compute_s",
     "comm_s",
     "comm_hidden_s",
     "bubble_s",

@@ -78,6 +78,8 @@ SCHEDULES = ("1f1b", "interleaved", "gpipe")
 # Interleaved 1F1B's stages a rank: torchtitan's for a looped schedule when the split
 # is not given (generate_split_points: num_stages_per_rank = 2)
 VIRTUAL_STAGES = 2
+# this-machine as a CPU: a rank is timed here when its step, priced, is shorter
+TIMED_UP_TO_S = 1.0
 
 
 def stages_per_rank(schedule: str) -> int:
@@ -384,13 +386,19 @@ def predict(
     tokens_per_sample: int,
     compiled: bool = False,
     float8: bool = False,
+    timed: dict[str, float] | None = None,
 ) -> dict:
     """The step of candidate `c` from its rank's measurement `m` (fakerank.Measured),
-    run eager or compiled, with BF16 or Float8 linears (fakerank.Work.seconds)."""
-    from parabench.predict.fakerank import FORWARD, OPTIMIZER, RECOMPUTE, STEP
+    run eager or compiled, with BF16 or Float8 linears (fakerank.Work.seconds); its
+    compute timed on this host where `timed` (fakerank.timed: `_timed_phases`)."""
+    from parabench.predict.fakerank import BACKWARD, FORWARD, OPTIMIZER, RECOMPUTE, STEP
+
+    phases = _timed_phases(m.work, gpu, compiled, float8, timed) if timed else {}
 
     def seconds(phase: str) -> float:
-        return m.work.seconds(gpu, phase, compiled, float8)
+        if not phases:
+            return m.work.seconds(gpu, phase, compiled, float8)
+        return phases[FORWARD] + phases[BACKWARD] if phase == STEP else phases[phase]
 
     a, lay = c.accumulation, c.layout
     slicing = max(1.0, c.gpus / gpu.cores) if gpu.cores else 1.0  # ranks sharing cores
@@ -442,6 +450,32 @@ def predict(
         + m.work.flops(OPTIMIZER),
         "mfu": model_flops / step / gpu.peak_flops,
     }
+
+
+def _timed_phases(work, gpu: GPU, compiled: bool, float8: bool, timed: dict) -> dict:
+    """Each phase's seconds on one rank (FORWARD, BACKWARD, RECOMPUTE, OPTIMIZER) from
+    its step timed on this host (fakerank.timed): its backward split from its recompute
+    as the roofline splits them (fakerank.Work.seconds), each scaled by what compile or
+    Float8 save on the roofline (the timed step is eager)."""
+    from parabench.predict.fakerank import BACKWARD, FORWARD, OPTIMIZER, RECOMPUTE
+
+    def priced(phase: str, compiled: bool = compiled, float8: bool = float8) -> float:
+        return work.seconds(gpu, phase, compiled, float8)
+
+    names = (FORWARD, BACKWARD, RECOMPUTE, OPTIMIZER)
+    backward = priced(BACKWARD, False, False) + priced(RECOMPUTE, False, False)
+    share = priced(RECOMPUTE, False, False) / backward if backward else 0.0
+    got = {
+        FORWARD: timed[FORWARD],
+        BACKWARD: timed[BACKWARD] * (1 - share),
+        RECOMPUTE: timed[BACKWARD] * share,
+        OPTIMIZER: timed[OPTIMIZER],
+    }
+    if compiled or float8:
+        for p in names:
+            eager = priced(p, False, False)
+            got[p] *= priced(p) / eager if eager else 1.0
+    return got
 
 
 def leaves_out(layout: Layout, compiled: bool = False, float8: bool = False) -> str:
@@ -500,7 +534,10 @@ class Search:
         if float8 and not gpu.fp8_flops:
             raise ValueError(f"advise.float8: gpu {gpu.name!r} has no FP8 rate (fp8_flops)")
         self.derive = derive  # False: every rank measured itself (the test of deriving)
+        # this host's CPU as the device: a rank that fits is timed here, not priced
+        self.timing = gpu.name == gpus.THIS_MACHINE and bool(gpu.cores)
         self.cache: dict = {}
+        self.times: dict = {}  # (model, probe, blocks) -> fakerank.timed's
         self.measurements = 0  # fake steps taken (fakerank.measure)
         self.memo: list = []  # what a worker's copy takes in first (for_family)
 
@@ -606,6 +643,15 @@ class Search:
         # a GPU also holds its CUDA context and NCCL's buffers (a CPU profile: none)
         groups = [d for d in c.layout.degrees.values() if d > 1]
         overhead = 0 if self.gpu.cores else gpus.overhead(groups)
+        fits = gpus.fits(
+            peak, self.gpu.memory_bytes, None if self.gpu.cores else reserved + overhead
+        )
+        # timed where it fits and is short: a rank priced at seconds a step on this CPU
+        # (a large model's) would take minutes to time, and the roofline prices it
+        short = m.work.seconds(self.gpu) < TIMED_UP_TO_S
+        timed = self.timed(c, stage) if self.timing and fits and short else None
+        if isinstance(timed, str):
+            return {**row, "status": "failed", "reason": f"timing its rank here: {timed}"}
         row.update(
             status="ok",
             memory_bytes=peak,
@@ -616,13 +662,50 @@ class Search:
                 f"{k}_bytes": m.by_category.get(k, 0) + (accumulated if k == "grad" else 0)
                 for k in ("param", "grad", "opt", "act", "temp")
             },
-            fits=gpus.fits(
-                peak, self.gpu.memory_bytes, None if self.gpu.cores else reserved + overhead
+            fits=fits,
+            compute_source=(
+                f"timed here: the rank's step on real tensors, {self._threads(c)} of "
+                f"{self.gpu.cores} cores' threads, collectives returning at once "
+                f"(fakerank.timed)"
+                if timed
+                else f"priced: each op at {self.gpu.name}'s roofline (fakerank.Work.seconds)"
             ),
-            **predict(c, m, self.gpu, self.fabric, tokens, self.compiled, self.float8),
+            **predict(c, m, self.gpu, self.fabric, tokens, self.compiled, self.float8, timed),
+        )
+        # the roofline's figure beside a timed one: how far pricing is from this host
+        row["roofline_compute_s"] = (
+            predict(c, m, self.gpu, self.fabric, tokens, self.compiled, self.float8)["compute_s"]
+            if timed
+            else row["compute_s"]
         )
         row["binding"] = binding(row)
         return row
+
+    def _threads(self, c: Candidate) -> int:
+        """The intra-op threads a rank of `c` runs with on this host: its share of the
+        cores, as the cells bind it (runtime.share)."""
+        from parabench.process import runtime
+
+        return len(runtime.share(0, c.gpus, list(range(self.gpu.cores))))
+
+    def timed(self, c: Candidate, blocks: int | None):
+        """The rank of `c` timed on this host (fakerank.timed), once per rank shape; an
+        exception's text where it failed."""
+        from parabench.predict import fakerank
+
+        # a pipeline's stage: its blocks
+        probe = _probe(c, self.precision, self.optimizer).replace(blocks=blocks or 0)
+        key = (c.model, probe, self._threads(c))
+        if key not in self.times:
+            t0 = time.perf_counter()
+            try:
+                self.times[key] = fakerank.timed(self.specs[c.model], probe, self._threads(c))
+            except Exception as e:  # a row that says why, never a lost search
+                self.times[key] = _why(e)
+            self.log(
+                f"  timed {probe.layout.label}, micro {c.micro}: {time.perf_counter() - t0:.1f} s"
+            )
+        return self.times[key]
 
     def base(self, c: Candidate, global_batch: int, tokens: int) -> dict:
         return {
@@ -981,6 +1064,8 @@ def run(
     names = adv.get("models") or list(config["models"])
     specs = {n: model_spec(config["models"][n]) for n in names}
     searcher = searching(specs, gpu, fabric, adv, log)
+    if searcher.timing:  # its ranks are timed: one at a time, or they share the cores
+        pool = None
     rows: list[dict] = []
     for name in names:
         rows += _advise_model(searcher, config, name, pool, out, rows, log)

@@ -42,6 +42,7 @@ import dataclasses
 import functools
 import itertools
 import math
+import statistics
 import sys
 import threading
 import time
@@ -569,15 +570,24 @@ class Measured:
 
 
 @contextlib.contextmanager
-def _fake_world(size: int) -> Iterator[None]:
+def _fake_world(size: int, local: bool = False) -> Iterator[None]:
+    """Rank 0 of a world of `size` over torch's `fake` process group, or, `local`, over
+    parabench's (process/nocomm.py: each collective fills its output from this rank's
+    own data, so a real step computes on finite values; none waits)."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from parabench.process import nocomm
 
     if dist.is_initialized():
         raise RuntimeError("fakerank: a process group is already initialised here")
     # init_process_group wraps sys.excepthook to prefix "[rank0]:", again at each call:
     # a search's hundreds of worlds would prefix a traceback hundreds of times.
     hook = sys.excepthook
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=size)
+    if local:
+        dist.init_process_group(nocomm.BACKEND, store=dist.HashStore(), rank=0, world_size=size)
+        dist.group.WORLD.alone = True  # no peer ever sends
+    else:
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=size)
     try:
         yield
     finally:
@@ -655,15 +665,16 @@ class Rank:
 
 
 @contextlib.contextmanager
-def rank(spec: ModelSpec, probe: Probe, fake: bool = True) -> Iterator[Rank]:
+def rank(spec: ModelSpec, probe: Probe, fake: bool = True, local: bool = False) -> Iterator[Rank]:
     """Rank 0 of `probe`'s layout over torch's fake process group at its world size:
     built on the meta device, parallelized there by the cells' own `parallelize`, then
     given storage: fake (nothing allocated) or, `fake` False, real
     (tests/test_advise.py checks one against the other). The optimizer's state is made,
-    as every step after the first holds it (`initial_state`)."""
+    as every step after the first holds it (`initial_state`). `local`: over parabench's
+    own group instead, its real parameters drawn (`timed`)."""
     if probe.blocks:
         spec = at_depth(spec, probe.blocks)
-    with _fake_world(probe.world), quiet_fake():
+    with _fake_world(probe.world, local), quiet_fake():
         mesh = _mesh(probe.layout)
         with torch.device("meta"):
             model = build(spec, 0)
@@ -679,28 +690,80 @@ def rank(spec: ModelSpec, probe: Probe, fake: bool = True) -> Iterator[Rank]:
             )
         with fake_mode() if fake else contextlib.nullcontext():
             model.module.to_empty(device="cpu")
+            if local:
+                _drawn(model.module)
             opt = _optimizer(model.module, probe)
             initial_state(opt)
             batch = model.batch(probe.micro, torch.Generator().manual_seed(0))
             yield Rank(model, opt, batch, probe, par, dims, boundary)
 
 
-def step(r: Rank, counting: Counting | None = None) -> None:
+def step(
+    r: Rank, counting: Counting | None = None, lap: Callable[[str], None] | None = None
+) -> None:
     """One training step of the rank: forward, backward, optimizer (the optimizer's ops
-    booked as its own phase where `counting`)."""
+    booked as its own phase where `counting`; `lap(phase)` called as each phase ends)."""
     # FSDP's mixed precision casts the parameters; without it, autocast (parallelize)
     autocast = (
         torch.autocast("cpu", dtype=torch.bfloat16) if r.par.autocast else contextlib.nullcontext()
     )
+    lap = lap or (lambda phase: None)
     x, y = r.batch
     with autocast:
         out = r.module(x)
     with loss_parallel() if r.par.split_loss else contextlib.nullcontext():
-        r.model.loss_fn(out, y).backward()
+        loss = r.model.loss_fn(out, y)
+        lap(FORWARD)
+        loss.backward()
+    lap(BACKWARD)
     if counting is not None:
         counting.phase = OPTIMIZER
     r.optimizer.step()
     r.optimizer.zero_grad(set_to_none=True)
+    lap(OPTIMIZER)
+
+
+TIMED_STEPS, TIMED_WARMUP = 6, 2  # as a rank alone is timed (predict/rank_alone.py)
+
+
+def timed(spec: ModelSpec, probe: Probe, threads: int) -> dict[str, float]:
+    """Seconds of each phase of the rank's step (FORWARD with the loss, BACKWARD with
+    any recompute, OPTIMIZER), run on this host's CPU on real tensors with `threads`
+    intra-op threads, its collectives returning at once on its own data: the median of
+    TIMED_STEPS after TIMED_WARMUP. What `this-machine` knows of a rank's compute where
+    the rank fits here (predict/advise.py: a CPU's cost per op depends on its kind,
+    DTensor's and FSDP's host work above all, which no roofline holds)."""
+    before = torch.get_num_threads()
+    torch.set_flush_denormal(True)  # a denormal's slow path is no layout's cost
+    torch.set_num_threads(threads)
+    laps: list[dict[str, float]] = []
+    try:
+        with rank(spec, probe, fake=False, local=True) as r:
+            for _ in range(TIMED_STEPS + TIMED_WARMUP):
+                got, t0 = {}, [time.perf_counter()]
+
+                def lap(phase: str, got=got, t0=t0) -> None:
+                    now = time.perf_counter()
+                    got[phase], t0[0] = now - t0[0], now
+
+                step(r, lap=lap)
+                laps.append(got)
+    finally:
+        torch.set_num_threads(before)
+        torch.set_flush_denormal(False)  # torch's default
+    kept = laps[TIMED_WARMUP:]
+    return {p: statistics.median(t[p] for t in kept) for p in (FORWARD, BACKWARD, OPTIMIZER)}
+
+
+def _drawn(module: nn.Module) -> None:
+    """Real values for storage made empty: each floating parameter and buffer's local
+    shard drawn small (what a step computes on is then finite, as a trained one's)."""
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for t in itertools.chain(module.parameters(), module.buffers()):
+            local = _local(t)
+            if local.is_floating_point():
+                local.copy_(torch.randn(local.shape, generator=gen) * 0.02)
 
 
 @contextlib.contextmanager

@@ -168,6 +168,10 @@ def ranking(adv: pd.DataFrame, summary: pd.DataFrame) -> list[dict]:
                     "predicted_s": float(p["step_s"]),
                     "measured_s": float(row["step_time_s"]),
                     "error": float(p["step_s"]) / float(row["step_time_s"]) - 1,
+                    # the step's compute as advise took it (timed here, or priced) and as
+                    # the roofline prices it
+                    "compute_s": float(p["compute_s"]),
+                    "roofline_compute_s": float(p.get("roofline_compute_s", p["compute_s"])),
                     # the overlap model against the anatomy: the share of communication
                     # that ran under compute, predicted and measured
                     "predicted_hidden": _share(
