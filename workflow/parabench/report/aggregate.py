@@ -562,7 +562,7 @@ def aggregate(
     rows, _failed, windows = collectives.load(list(collective_metas))
     cells, steps = load_cells(meta_paths, windows, config_hashes)
     curves = pd.DataFrame(rows, columns=list(collectives.COLUMNS))
-    for col in ("devices", "bytes", "time_s", "algbw_GBps", "busbw_GBps", "iters"):
+    for col in ("devices", "bytes", "time_s", "algbw_GBps", "busbw_GBps", "iters", "trials"):
         curves[col] = pd.to_numeric(curves[col])
     ranks = pd.read_csv(ranks_csv) if ranks_csv else None
     summary = summarize(cells, steps, curves, ranks)

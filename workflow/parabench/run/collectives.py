@@ -3,8 +3,8 @@
 Run as n torchrun ranks (`parabench collectives --devices n --out DIR`; n = 1 on CUDA, so
 that one GPU runs NCCL's path, its rows no curve between devices), on the same
 backend and devices as the cells (NCCL on GPUs, gloo on CPU). For each op and size it
-times a loop of back-to-back calls after a warm-up and reports, as nccl-tests does, the
-mean time per call (slowest rank) and:
+times a loop of back-to-back calls after a warm-up, as nccl-tests does, TRIALS times,
+and reports the median loop's mean time per call (slowest rank) and:
 
     algbw = bytes / time,  busbw = algbw x the op's factor (ops.py)
 
@@ -17,6 +17,7 @@ really sends.
 from __future__ import annotations
 
 import socket
+import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -37,6 +38,7 @@ COLUMNS = (
     "backend",
     "iters",
     "dtype",
+    "trials",
 )
 
 
@@ -62,11 +64,23 @@ def _call(op: str, numel: int, n: int, rank: int, device: torch.device) -> Calla
     return lambda: dist.recv(full, src=peer)
 
 
+TRIALS = 5  # timed loops per op and size: the median loop's mean is reported
+
+
 def time_op(
-    op: str, nbytes: int, device: torch.device, min_time_s: float = 0.03, max_iters: int = 50
+    op: str,
+    nbytes: int,
+    device: torch.device,
+    min_time_s: float = 0.03,
+    max_iters: int = 50,
+    trials: int = TRIALS,
 ) -> tuple[float, int]:
-    """Mean seconds per call of `op` at `nbytes` (the slowest rank's), and the calls timed.
-    Every rank runs the same number of calls: decided from the slowest warm-up."""
+    """Seconds per call of `op` at `nbytes`: the mean over a loop of back-to-back calls
+    (the slowest rank's), the median over `trials` loops; and the calls each loop times.
+    Every rank runs the same number of calls: decided from the slowest warm-up. Why
+    the median of loops: on a host whose cores the ranks share, one loop's mean moves
+    2-5x from run to run at small sizes (a descheduled thread costs a loop milliseconds),
+    where nccl-tests' one loop on a GPU is steady."""
     n, rank = dist.get_world_size(), dist.get_rank()
     numel = max(n, nbytes // 4 // n * n)  # fp32, divisible by n
     call = _call(op, numel, n, rank, device)
@@ -80,15 +94,20 @@ def time_op(
     warm = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=device)
     dist.all_reduce(warm, op=dist.ReduceOp.MAX)
     iters = int(min(max_iters, max(3, min_time_s / max(warm.item(), 1e-7))))
-    dist.barrier()
-    sync()
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        call()
-    sync()
-    took = torch.tensor([(time.perf_counter() - t0) / iters], dtype=torch.float64, device=device)
-    dist.all_reduce(took, op=dist.ReduceOp.MAX)
-    return took.item(), iters
+    loops = []
+    for _ in range(trials):
+        dist.barrier()
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            call()
+        sync()
+        took = torch.tensor(
+            [(time.perf_counter() - t0) / iters], dtype=torch.float64, device=device
+        )
+        dist.all_reduce(took, op=dist.ReduceOp.MAX)
+        loops.append(took.item())
+    return statistics.median(loops), iters
 
 
 def curves(sizes: list[int], device: torch.device, ops=CURVES) -> list[dict]:
@@ -114,6 +133,7 @@ def curves(sizes: list[int], device: torch.device, ops=CURVES) -> list[dict]:
                     "backend": dist.get_backend(),
                     "iters": iters,
                     "dtype": "float32",
+                    "trials": TRIALS,
                 }
             )
     return rows
