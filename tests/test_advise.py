@@ -1051,3 +1051,34 @@ def test_the_search_derived_from_reference_ranks_is_the_full_search():
     for col in ("step_s", "memory_bytes", "comm_s", "comm_hidden_s", "compute_s", "mfu"):
         pd.testing.assert_series_equal(derived[col], full[col], rtol=1e-6, check_names=False)
     assert tables[True, "steps"] < tables[False, "steps"]
+
+
+def test_a_search_in_worker_processes_is_the_search_in_one():
+    """Every search at 4 GPUs or more runs its layouts in worker processes (advise.pool:
+    each gets a copy of the search with what its shapes need, and sends back what it
+    measured, merged into the searching process's): the same rows, the same figures,
+    the same recommendation and the same fake steps as one process alone. On the card
+    of the derivation test above, where memory decides."""
+    from parabench import models
+
+    facts = models.facts(LONG)
+    m = fakerank.measure(LONG, fakerank.Probe(Layout(dp_shard=8), micro=2))
+    card = m.reserved_bytes + gpus.overhead([8, 2])
+    gpu = dataclasses.replace(gpus.PROFILES["h100"], memory_bytes=card)
+    fabric = PROFILES["h100-nvlink-ndr400"]
+    tables, steps = {}, {}
+    for workers in (1, 2):
+        fakerank._MEASURED.clear()  # each search takes its own fake steps
+        fakerank._SETTLED.clear()
+        # print: what a worker's copy logs with must pickle, as the command's does
+        search = advise.Search({"llama": LONG}, gpu, fabric, "bf16", "adamw", print)
+        with advise.pool(workers) as pool:
+            rows = advise.search(search, "llama", facts, 16, 4, 16, 1024, 4, pool)
+        index = ["gpus", "layout", "micro_batch", "ac", "zero", "schedule"]
+        tables[workers] = pd.DataFrame(rows).set_index(index).sort_index()
+        steps[workers] = search.measurements
+    one, two = tables[1], tables[2]
+    assert one.index.equals(two.index) and one.index.is_unique
+    assert one["rank"].eq(1).sum() == 1 and {False, True} <= set(one["fits"].dropna())
+    pd.testing.assert_frame_equal(one, two, rtol=1e-9)
+    assert steps[1] == steps[2] > 0
