@@ -123,3 +123,28 @@ def test_a_profiles_latency_grows_with_the_group_as_nccls_own_model_prices_it():
     assert small[0] < small[1] < small[2] and small[2] > 1e-3  # a thousand steps
     # bandwidth still rules large messages: within 2% of bytes over busbw
     assert h100.time("all_reduce", 8, 1e9) == pytest.approx(1e9 * 2 * 7 / 8 / 460e9, rel=0.02)
+
+
+def test_a_collective_is_timed_as_the_median_of_its_loops(monkeypatch):
+    """collectives.time_op reports the median of its timed loops' mean calls, not their
+    mean: one loop slowed by a descheduled thread (here 100 ms a call against 5 and 10)
+    moves nothing. A world of one rank on gloo; the op a sleep of each loop's length."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from parabench.run import collectives
+
+    # the warm-up call and the call timed to size the loops, then 3 loops of 3 calls
+    lengths = iter([0.01, 0.01] + [0.005] * 3 + [0.1] * 3 + [0.01] * 3)
+    monkeypatch.setattr(collectives, "_call", lambda *a: lambda: time.sleep(next(lengths)))
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        took, iters = collectives.time_op(
+            "all_reduce", 1024, torch.device("cpu"), min_time_s=1e-3, trials=3
+        )
+    finally:
+        dist.destroy_process_group()
+    assert iters == 3
+    assert 0.009 < took < 0.025, took  # the mean of the loops would be 38 ms

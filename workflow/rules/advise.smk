@@ -1,6 +1,7 @@
 # Which layout to run on N GPUs (parabench.predict.advise): every layout that applies, one rank
 # of each measured on fake tensors, its step predicted. One job, never beside a timed
-# cell (it measures this host when advise.gpu is this-machine, and takes a core).
+# cell (when advise.gpu is this-machine it measures this host, and times a small
+# model's ranks here, one at a time).
 ADVISE = config["advise"]
 ADVISE_CURVES = ADVISE["fabric"] == "curves"
 

@@ -58,6 +58,7 @@ import re
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from parabench.hardware import gpus
 from parabench.hardware.fabric import Fabric
@@ -66,6 +67,9 @@ from parabench.layout import Layout
 from parabench.predict.scaling import layout_comm
 from parabench.records import ADVISE_COLUMNS, write_rows
 from parabench.spec import ModelSpec
+
+if TYPE_CHECKING:  # fakerank imports torch: imported where a search runs
+    from parabench.predict.fakerank import Work
 
 LAYOUT_CSV = "advise-layout.csv"  # `--layout`'s rows
 # DistributedDataParallel's buckets: bucket_cap_mb's default, and its first bucket's
@@ -78,7 +82,8 @@ SCHEDULES = ("1f1b", "interleaved", "gpipe")
 # Interleaved 1F1B's stages a rank: torchtitan's for a looped schedule when the split
 # is not given (generate_split_points: num_stages_per_rank = 2)
 VIRTUAL_STAGES = 2
-# this-machine as a CPU: a rank is timed here when its step, priced, is shorter
+# this-machine as a CPU: a model's ranks are timed here when its whole step, priced, is
+# shorter (a larger model's ranks would take minutes each to time)
 TIMED_UP_TO_S = 1.0
 
 
@@ -452,7 +457,9 @@ def predict(
     }
 
 
-def _timed_phases(work, gpu: GPU, compiled: bool, float8: bool, timed: dict) -> dict:
+def _timed_phases(
+    work: Work, gpu: GPU, compiled: bool, float8: bool, timed: dict[str, float]
+) -> dict[str, float]:
     """Each phase's seconds on one rank (FORWARD, BACKWARD, RECOMPUTE, OPTIMIZER) from
     its step timed on this host (fakerank.timed): its backward split from its recompute
     as the roofline splits them (fakerank.Work.seconds), each scaled by what compile or
@@ -537,7 +544,8 @@ class Search:
         # this host's CPU as the device: a rank that fits is timed here, not priced
         self.timing = gpu.name == gpus.THIS_MACHINE and bool(gpu.cores)
         self.cache: dict = {}
-        self.times: dict = {}  # (model, probe, blocks) -> fakerank.timed's
+        self.times: dict = {}  # (model, probe at its blocks, threads) -> fakerank.timed's
+        self.small: dict[str, bool] = {}  # model -> whether its ranks are timed
         self.measurements = 0  # fake steps taken (fakerank.measure)
         self.memo: list = []  # what a worker's copy takes in first (for_family)
 
@@ -646,12 +654,16 @@ class Search:
         fits = gpus.fits(
             peak, self.gpu.memory_bytes, None if self.gpu.cores else reserved + overhead
         )
-        # timed where it fits and is short: a rank priced at seconds a step on this CPU
-        # (a large model's) would take minutes to time, and the roofline prices it
-        short = m.work.seconds(self.gpu) < TIMED_UP_TO_S
-        timed = self.timed(c, stage) if self.timing and fits and short else None
-        if isinstance(timed, str):
-            return {**row, "status": "failed", "reason": f"timing its rank here: {timed}"}
+        timed = self.timed(c, stage) if fits and self.times_model(c.model) else None
+        source = f"priced: each op at {self.gpu.name}'s roofline (fakerank.Work.seconds)"
+        if isinstance(timed, str):  # priced, as it was measured: the row says why
+            source, timed = f"{source}; timing its rank here failed: {timed}", None
+        elif timed:
+            source = (
+                f"timed here: the rank's step on real tensors, {self._threads(c)} of "
+                f"{self.gpu.cores} cores' threads, collectives returning at once "
+                "(fakerank.timed)"
+            )
         row.update(
             status="ok",
             memory_bytes=peak,
@@ -663,13 +675,7 @@ class Search:
                 for k in ("param", "grad", "opt", "act", "temp")
             },
             fits=fits,
-            compute_source=(
-                f"timed here: the rank's step on real tensors, {self._threads(c)} of "
-                f"{self.gpu.cores} cores' threads, collectives returning at once "
-                f"(fakerank.timed)"
-                if timed
-                else f"priced: each op at {self.gpu.name}'s roofline (fakerank.Work.seconds)"
-            ),
+            compute_source=source,
             **predict(c, m, self.gpu, self.fabric, tokens, self.compiled, self.float8, timed),
         )
         # the roofline's figure beside a timed one: how far pricing is from this host
@@ -688,7 +694,22 @@ class Search:
 
         return len(runtime.share(0, c.gpus, list(range(self.gpu.cores))))
 
-    def timed(self, c: Candidate, blocks: int | None):
+    def times_model(self, model: str) -> bool:
+        """Whether `model`'s ranks are timed here, every one that fits (so that a search
+        never ranks timed rows against priced ones): on this-machine as a CPU, where a
+        step of the model whole at micro-batch 1, priced at this host's GEMM rate (6
+        FLOPs a parameter a token), is shorter than TIMED_UP_TO_S."""
+        from parabench.predict import fakerank
+
+        if not self.timing:
+            return False
+        if model not in self.small:
+            spec = self.specs[model]
+            flops = 6 * fakerank.parameters(spec) * max(1, tokens_per_sample(spec))
+            self.small[model] = flops / self.gpu.achievable_flops < TIMED_UP_TO_S
+        return self.small[model]
+
+    def timed(self, c: Candidate, blocks: int | None) -> dict[str, float] | str:
         """The rank of `c` timed on this host (fakerank.timed), once per rank shape; an
         exception's text where it failed."""
         from parabench.predict import fakerank
@@ -902,8 +923,11 @@ def search(
     the same degrees: ZeRO-3 FSDP holds no more than ZeRO-2, HSDP or DDP, so where its
     lightest option does not fit, theirs are not measured. What is not measured is a
     row that says which measurement decided it. `pool`: a process pool the layouts are
-    searched in, side by side. `decided(rows, families done, families)` is called with
+    searched in, side by side (not where the model's ranks are timed here:
+    Search.times_model). `decided(rows, families done, families)` is called with
     every row as soon as it is decided (unranked: ranks are given once all are in)."""
+    if search.times_model(name):  # its ranks are timed: one at a time, or they share cores
+        pool = None
     rows: list[dict] = []
     families: dict[Candidate, list[Candidate]] = {}
     for c in candidates(name, facts, n, gpus_per_node, global_batch, depth):
@@ -1057,15 +1081,14 @@ def run(
     """Advise on every model of the config's `advise` section at each of its GPU counts:
     out/advise.csv, rewritten as each layout's rows are decided, so a search cut off
     keeps every row it decided (unranked until its N is done).
-    `pool`: processes the layouts are searched in (`pool`), None for this one alone."""
+    `pool`: processes the layouts are searched in (`pool`), None for this one alone
+    (and unused for a model whose ranks are timed here: `search`)."""
     from parabench.config import model_spec
 
     adv = config["advise"]
     names = adv.get("models") or list(config["models"])
     specs = {n: model_spec(config["models"][n]) for n in names}
     searcher = searching(specs, gpu, fabric, adv, log)
-    if searcher.timing:  # its ranks are timed: one at a time, or they share the cores
-        pool = None
     rows: list[dict] = []
     for name in names:
         rows += _advise_model(searcher, config, name, pool, out, rows, log)

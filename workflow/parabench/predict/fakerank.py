@@ -585,7 +585,6 @@ def _fake_world(size: int, local: bool = False) -> Iterator[None]:
     hook = sys.excepthook
     if local:
         dist.init_process_group(nocomm.BACKEND, store=dist.HashStore(), rank=0, world_size=size)
-        dist.group.WORLD.alone = True  # no peer ever sends
     else:
         dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=size)
     try:
@@ -712,6 +711,7 @@ def step(
     with autocast:
         out = r.module(x)
     with loss_parallel() if r.par.split_loss else contextlib.nullcontext():
+        # the loss is held through the optimizer, as a cell's train_step holds it
         loss = r.model.loss_fn(out, y)
         lap(FORWARD)
         loss.backward()
@@ -723,23 +723,24 @@ def step(
     lap(OPTIMIZER)
 
 
-TIMED_STEPS, TIMED_WARMUP = 6, 2  # as a rank alone is timed (predict/rank_alone.py)
-
-
 def timed(spec: ModelSpec, probe: Probe, threads: int) -> dict[str, float]:
     """Seconds of each phase of the rank's step (FORWARD with the loss, BACKWARD with
     any recompute, OPTIMIZER), run on this host's CPU on real tensors with `threads`
-    intra-op threads, its collectives returning at once on its own data: the median of
-    TIMED_STEPS after TIMED_WARMUP. What `this-machine` knows of a rank's compute where
-    the rank fits here (predict/advise.py: a CPU's cost per op depends on its kind,
-    DTensor's and FSDP's host work above all, which no roofline holds)."""
+    intra-op threads, its collectives returning at once on its own data: the median
+    over timed steps after a warm-up, as a cell's rank alone is timed (rank_alone's
+    STEPS and WARMUP; rank_alone itself builds a cell's strategy, where this is the
+    layout advise prices, built by the same `parallelize` as the fake rank). What
+    `this-machine` knows of a rank's compute where the rank fits here
+    (predict/advise.py: a CPU's cost per op is mostly the host's work around it, which
+    no roofline holds)."""
+    from parabench.predict.rank_alone import STEPS, WARMUP
+
     before = torch.get_num_threads()
-    torch.set_flush_denormal(True)  # a denormal's slow path is no layout's cost
-    torch.set_num_threads(threads)
     laps: list[dict[str, float]] = []
     try:
+        torch.set_num_threads(threads)
         with rank(spec, probe, fake=False, local=True) as r:
-            for _ in range(TIMED_STEPS + TIMED_WARMUP):
+            for _ in range(STEPS + WARMUP):
                 got, t0 = {}, [time.perf_counter()]
 
                 def lap(phase: str, got=got, t0=t0) -> None:
@@ -750,19 +751,26 @@ def timed(spec: ModelSpec, probe: Probe, threads: int) -> dict[str, float]:
                 laps.append(got)
     finally:
         torch.set_num_threads(before)
-        torch.set_flush_denormal(False)  # torch's default
-    kept = laps[TIMED_WARMUP:]
+    kept = laps[WARMUP:]
     return {p: statistics.median(t[p] for t in kept) for p in (FORWARD, BACKWARD, OPTIMIZER)}
 
 
 def _drawn(module: nn.Module) -> None:
-    """Real values for storage made empty: each floating parameter and buffer's local
-    shard drawn small (what a step computes on is then finite, as a trained one's)."""
+    """Real values for storage made empty, so that a step computes on finite numbers of
+    a trained model's scale: each floating parameter's local shard drawn N(0, 0.02), a
+    vector of them (a norm's weight, a bias) as a fresh module holds it (ones for a
+    weight, zeros for a bias), and buffers (rotary frequencies) drawn alike."""
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
-        for t in itertools.chain(module.parameters(), module.buffers()):
+        for name, t in itertools.chain(module.named_parameters(), module.named_buffers()):
             local = _local(t)
-            if local.is_floating_point():
+            if not local.is_floating_point():
+                continue
+            if t.dim() == 1 and name.endswith("weight"):
+                local.fill_(1.0)
+            elif t.dim() == 1 and name.endswith("bias"):
+                local.zero_()
+            else:
                 local.copy_(torch.randn(local.shape, generator=gen) * 0.02)
 
 

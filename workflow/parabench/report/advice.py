@@ -172,6 +172,7 @@ def ranking(adv: pd.DataFrame, summary: pd.DataFrame) -> list[dict]:
                     # the roofline prices it
                     "compute_s": float(p["compute_s"]),
                     "roofline_compute_s": float(p.get("roofline_compute_s", p["compute_s"])),
+                    "timed": str(p.get("compute_source", "")).startswith("timed"),
                     # the overlap model against the anatomy: the share of communication
                     # that ran under compute, predicted and measured
                     "predicted_hidden": _share(
@@ -198,6 +199,8 @@ def ranking(adv: pd.DataFrame, summary: pd.DataFrame) -> list[dict]:
                 "predicted_best": df.loc[df["predicted_s"].idxmin(), "strategy"],
                 "measured_best": df.loc[df["measured_s"].idxmin(), "strategy"],
                 "spearman": None if math.isnan(rho) else rho,
+                # each layout's compute timed on this host (else priced on the roofline)
+                "timed": bool(df["timed"].all()),
                 "mape": float(df["error"].abs().mean()),
                 # how far the predicted hidden share is from the measured, on average
                 "hidden_gap": float(
