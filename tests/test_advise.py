@@ -745,33 +745,52 @@ def test_ranks_sharing_cores_compute_in_turn():
 
 def test_a_rank_timed_on_this_host_takes_the_rooflines_place():
     """Timed (fakerank.timed): forward 2 s, backward 3 s, optimizer 1 s. The backward
-    is split as the roofline splits it (backward 1 s, recompute 0.5 s: a third is
-    recompute); 2 ranks on 1 core take turns. Compiled, each phase is scaled by what
-    compile saves on the roofline: the forward's memory-bound op (1 s of its 8)."""
+    is split as the eager roofline splits it (backward 2 s, recompute 0.5 s: a fifth is
+    recompute, whether the run is priced compiled or with Float8); 2 ranks on 1 core
+    take turns. Compiled or with Float8, each phase is scaled by what the roofline says
+    they save: compile the memory-bound ops (forward 8 s to 7, backward 2 to 1,
+    recompute 0.5 to 0.4), Float8 the linears (backward 2 s to 1.5, recompute 0.5 to
+    0.3, at twice the rate)."""
     work = fakerank.Work(
         collections.Counter(
             {
                 (fakerank.FORWARD, fakerank.MATMUL, 7e12, 0.0): 1,
                 (fakerank.FORWARD, fakerank.MEMORY, 0.0, 1e12): 1,
-                (fakerank.BACKWARD, fakerank.MATMUL, 1e12, 0.0): 1,
-                (fakerank.RECOMPUTE, fakerank.MATMUL, 0.5e12, 0.0): 1,
+                (fakerank.BACKWARD, fakerank.LINEAR, 1e12, 0.0): 1,
+                (fakerank.BACKWARD, fakerank.MEMORY, 0.0, 1e12): 1,
+                (fakerank.RECOMPUTE, fakerank.LINEAR, 0.4e12, 0.0): 1,
+                (fakerank.RECOMPUTE, fakerank.MEMORY, 0.0, 0.1e12): 1,
                 (fakerank.OPTIMIZER, fakerank.MATMUL, 9e12, 0.0): 1,
             }
         )
     )
     timed = {fakerank.FORWARD: 2.0, fakerank.BACKWARD: 3.0, fakerank.OPTIMIZER: 1.0}
-    cpu = dataclasses.replace(UNIT_GPU, bandwidth=1e12, cores=1)
+    cpu = dataclasses.replace(UNIT_GPU, bandwidth=1e12, cores=1, fp8_flops=2e12)
     c = _candidate(dp_shard=2, accumulation=2)
     m = _measured(work)
+
+    def compute(forward: float, backward: float, recompute: float) -> float:
+        """2 micro-batches and the optimizer's 1 s, each at 2 ranks a core."""
+        return 2 * (2 * (forward + backward + recompute) + 1)
+
     got = advise.predict(c, m, cpu, UNIT_FABRIC, 0, timed=timed)
-    assert got["compute_s"] == pytest.approx(2 * (2 * (2 + 3) + 1))
-    assert got["recompute_s"] == pytest.approx(2 * 2 * 1.0)
+    assert got["compute_s"] == pytest.approx(compute(2, 2.4, 0.6))
+    assert got["recompute_s"] == pytest.approx(2 * 2 * 0.6)
     compiled = advise.predict(c, m, cpu, UNIT_FABRIC, 0, compiled=True, timed=timed)
-    assert compiled["compute_s"] == pytest.approx(2 * (2 * (2 * 7 / 8 + 3) + 1))
-    # priced, the same step is the roofline's: 8 + 1.5 s a micro-batch, 9 s optimizer
+    assert compiled["compute_s"] == pytest.approx(compute(2 * 7 / 8, 2.4 / 2, 0.6 * 0.8))
+    assert compiled["recompute_s"] == pytest.approx(2 * 2 * 0.6 * 0.8)
+    float8 = advise.predict(c, m, cpu, UNIT_FABRIC, 0, float8=True, timed=timed)
+    assert float8["compute_s"] == pytest.approx(compute(2, 2.4 * 0.75, 0.6 * 0.6))
+    assert float8["recompute_s"] == pytest.approx(2 * 2 * 0.6 * 0.6)
+    # priced, the same step is the roofline's: 8 + 2 + 0.5 s a micro-batch, 9 s optimizer
     assert advise.predict(c, m, cpu, UNIT_FABRIC, 0)["compute_s"] == pytest.approx(
-        2 * (2 * 9.5 + 9)
+        2 * (2 * 10.5 + 9)
     )
+    # a step the roofline has no backward for: the timed backward is all backward
+    bare = _measured(fakerank.Work(collections.Counter(), {}))
+    for compiled in (False, True):  # nor anything compile would save
+        got = advise.predict(c, bare, cpu, UNIT_FABRIC, 0, compiled=compiled, timed=timed)
+        assert got["recompute_s"] == 0 and got["compute_s"] == pytest.approx(compute(2, 3, 0))
 
 
 def test_this_machine_times_each_rank_that_fits_and_says_so():
