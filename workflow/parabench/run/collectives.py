@@ -174,7 +174,12 @@ def run(devices: int, sizes: list[int], device: str, timeout_s: float, out: Path
             torch.cuda.set_device(dev)
         else:
             dev = torch.device("cpu")
-            torch.set_num_threads(max(1, envinfo.usable_cores() // devices))
+            # bound to its share of the cores as a cell's rank is (runtime.bind), its
+            # gloo threads with it: unbound, the ranks and their threads migrate, and a
+            # loop's time moved 2-5x from run to run
+            from parabench.process.runtime import bind
+
+            torch.set_num_threads(len(bind(int(os.environ.get("LOCAL_RANK", "0")), devices)))
         dist.init_process_group(
             "nccl" if kind == "cuda" else "gloo",
             timeout=timedelta(seconds=timeout_s),
