@@ -727,20 +727,21 @@ def timed(spec: ModelSpec, probe: Probe, threads: int) -> dict[str, float]:
     """Seconds of each phase of the rank's step (FORWARD with the loss, BACKWARD with
     any recompute, OPTIMIZER), run on this host's CPU on real tensors with `threads`
     intra-op threads, its collectives returning at once on its own data: the median
-    over timed steps after a warm-up, as a cell's rank alone is timed (rank_alone's
-    STEPS and WARMUP; rank_alone itself builds a cell's strategy, where this is the
-    layout advise prices, built by the same `parallelize` as the fake rank). What
+    over timed steps after a warm-up, as a cell's rank alone is timed (loop's
+    ALONE_STEPS and ALONE_WARMUP; rank_alone itself builds a cell's strategy, where
+    this is the layout advise prices, built by the same `parallelize` as the fake
+    rank). What
     `this-machine` knows of a rank's compute where the rank fits here
     (predict/advise.py: a CPU's cost per op is mostly the host's work around it, which
     no roofline holds)."""
-    from parabench.predict.rank_alone import STEPS, WARMUP
+    from parabench.run.loop import ALONE_STEPS, ALONE_WARMUP
 
     before = torch.get_num_threads()
     laps: list[dict[str, float]] = []
     try:
         torch.set_num_threads(threads)
         with rank(spec, probe, fake=False, local=True) as r:
-            for _ in range(STEPS + WARMUP):
+            for _ in range(ALONE_STEPS + ALONE_WARMUP):
                 got, t0 = {}, [time.perf_counter()]
 
                 def lap(phase: str, got=got, t0=t0) -> None:
@@ -751,7 +752,7 @@ def timed(spec: ModelSpec, probe: Probe, threads: int) -> dict[str, float]:
                 laps.append(got)
     finally:
         torch.set_num_threads(before)
-    kept = laps[WARMUP:]
+    kept = laps[ALONE_WARMUP:]
     return {p: statistics.median(t[p] for t in kept) for p in (FORWARD, BACKWARD, OPTIMIZER)}
 
 

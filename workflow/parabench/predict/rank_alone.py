@@ -40,11 +40,11 @@ from parabench.process import nocomm, runtime
 from parabench.process.data import Shard, SyntheticBatches
 from parabench.records import RANK_COLUMNS, RANK_KEY, read_rows, write_rows
 from parabench.run import faults, profiling
-from parabench.run.loop import run_step, synchronizer
+from parabench.run.loop import ALONE_STEPS, ALONE_WARMUP, run_step, synchronizer
 from parabench.spec import RunSpec
 from parabench.strategies import checkpointing
 
-STEPS, WARMUP = 6, 2  # the rank's timed steps (median) after its warm-up
+STEPS, WARMUP = ALONE_STEPS, ALONE_WARMUP  # the rank's timed steps (median) after its warm-up
 
 
 def device_memory(device: torch.device) -> int | None:
