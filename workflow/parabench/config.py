@@ -296,7 +296,7 @@ def job_minutes(seconds: float) -> int:
 def rank_limit_s(config: dict) -> float:
     """Seconds one rank measured alone may take (the ranks job's, the plan's), each
     rank its own: rank_timeout_s, never more than cell_timeout_s. A rank alone builds
-    what one rank of its cell builds and runs ten steps (ranks.STEPS + WARMUP, one
+    what one rank of its cell builds and runs ten steps (loop.ALONE_STEPS + ALONE_WARMUP, one
     counted, one tracked), where its cell runs `steps` and its profiled steps, times
     them again without communication, and waits on its peers: it never needs more."""
     return min(config["rank_timeout_s"], config["cell_timeout_s"])

@@ -400,16 +400,24 @@ def predict(
 
     phases = _timed_phases(m.work, gpu, compiled, float8, timed) if timed else {}
 
+    def priced(phase: str) -> float:
+        return m.work.seconds(gpu, phase, compiled, float8)
+
     def seconds(phase: str) -> float:
         if not phases:
-            return m.work.seconds(gpu, phase, compiled, float8)
+            return priced(phase)
         return phases[FORWARD] + phases[BACKWARD] if phase == STEP else phases[phase]
 
     a, lay = c.accumulation, c.layout
     slicing = max(1.0, c.gpus / gpu.cores) if gpu.cores else 1.0  # ranks sharing cores
-    recompute = seconds(RECOMPUTE) * slicing
-    micro_s = seconds(STEP) * slicing + recompute
-    compute = a * micro_s + seconds(OPTIMIZER) * slicing
+
+    def compute_of(seconds: Callable[[str], float]) -> tuple[float, float, float]:
+        """A step's recompute, a micro-batch's compute and the step's compute."""
+        recompute = seconds(RECOMPUTE) * slicing
+        micro_s = seconds(STEP) * slicing + recompute
+        return recompute, micro_s, a * micro_s + seconds(OPTIMIZER) * slicing
+
+    recompute, micro_s, compute = compute_of(seconds)
     forward = seconds(FORWARD) * slicing
     issued = collectives(m, lay, float8)
     hidden = a * (data_parallel(issued, lay, fabric, forward, micro_s - forward) or 0.0)
@@ -441,6 +449,8 @@ def predict(
     samples = c.micro * a * lay.dp
     return {
         "compute_s": compute,
+        # the roofline's figure beside a timed one: how far pricing is from this host
+        "roofline_compute_s": compute_of(priced)[2] if phases else compute,
         "recompute_s": a * recompute,
         "comm_s": comm + p2p,
         "comm_hidden_s": hidden,
@@ -541,8 +551,6 @@ class Search:
         if float8 and not gpu.fp8_flops:
             raise ValueError(f"advise.float8: gpu {gpu.name!r} has no FP8 rate (fp8_flops)")
         self.derive = derive  # False: every rank measured itself (the test of deriving)
-        # this host's CPU as the device: a rank that fits is timed here, not priced
-        self.timing = gpu.name == gpus.THIS_MACHINE and bool(gpu.cores)
         self.cache: dict = {}
         self.times: dict = {}  # (model, probe at its blocks, threads) -> fakerank.timed's
         self.small: dict[str, bool] = {}  # model -> whether its ranks are timed
@@ -678,12 +686,6 @@ class Search:
             compute_source=source,
             **predict(c, m, self.gpu, self.fabric, tokens, self.compiled, self.float8, timed),
         )
-        # the roofline's figure beside a timed one: how far pricing is from this host
-        row["roofline_compute_s"] = (
-            predict(c, m, self.gpu, self.fabric, tokens, self.compiled, self.float8)["compute_s"]
-            if timed
-            else row["compute_s"]
-        )
         row["binding"] = binding(row)
         return row
 
@@ -701,7 +703,7 @@ class Search:
         FLOPs a parameter a token), is shorter than TIMED_UP_TO_S."""
         from parabench.predict import fakerank
 
-        if not self.timing:
+        if self.gpu.name != gpus.THIS_MACHINE or not self.gpu.cores:  # not this host's CPU
             return False
         if model not in self.small:
             spec = self.specs[model]

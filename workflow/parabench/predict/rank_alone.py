@@ -44,8 +44,6 @@ from parabench.run.loop import ALONE_STEPS, ALONE_WARMUP, run_step, synchronizer
 from parabench.spec import RunSpec
 from parabench.strategies import checkpointing
 
-STEPS, WARMUP = ALONE_STEPS, ALONE_WARMUP  # the rank's timed steps (median) after its warm-up
-
 
 def device_memory(device: torch.device) -> int | None:
     """What one device holds: the GPU's memory, or the host's available memory."""
@@ -86,7 +84,7 @@ def rank_of(spec: RunSpec, threads: int, rank: int = 0) -> dict:
         sync = synchronizer(strategy.devices())
         fault = faults.for_cell(spec.model_name, spec.strategy, world, 0, rank)
         times = []
-        for step in range(STEPS + WARMUP):
+        for step in range(ALONE_STEPS + ALONE_WARMUP):
             if fault and step == fault.step:
                 fault.fire()
             times.append(run_step(strategy, batches, step, sync)[0])
@@ -98,11 +96,13 @@ def rank_of(spec: RunSpec, threads: int, rank: int = 0) -> dict:
         groups = ctx.named_mesh().groups() if ctx.meshes else {_one_dim(spec): ctx.group}
         with nocomm.counting_each(groups) as by_dim:
             counted = profiling.StepProfiler(ctx).count(
-                lambda: run_step(strategy, batches, STEPS + WARMUP, sync), shapes=False
+                lambda: run_step(strategy, batches, ALONE_STEPS + ALONE_WARMUP, sync), shapes=False
             )
         comm = nocomm.merged(by_dim)
         peak = profiling.peak_memory(strategy.devices(), held, counted)  # before the tracker's step
-        saved = saved_activations(lambda: run_step(strategy, batches, STEPS + WARMUP + 1, sync))
+        saved = saved_activations(
+            lambda: run_step(strategy, batches, ALONE_STEPS + ALONE_WARMUP + 1, sync)
+        )
         return {
             "status": "ok",
             "reason": "",
@@ -113,8 +113,8 @@ def rank_of(spec: RunSpec, threads: int, rank: int = 0) -> dict:
             "optimizer_bytes_per_rank": held["optimizer"],
             "peak_memory_bytes": peak,
             "device_memory_bytes": device_memory(device),
-            "compute_s": statistics.median(times[WARMUP:]),
-            "compute_steps_s": times[WARMUP:],
+            "compute_s": statistics.median(times[ALONE_WARMUP:]),
+            "compute_steps_s": times[ALONE_WARMUP:],
             "comm_by_op": comm,
             "comm_by_dim": by_dim,
             "saved_activation_bytes": saved,
