@@ -26,6 +26,7 @@ import sys
 import pandas as pd
 import pytest
 import torch
+import torch.distributed as dist
 from test_layouts import GPT, derived
 
 import conftest
@@ -127,6 +128,50 @@ def test_a_deep_stage_measured_at_a_few_depths_is_the_stage_measured_whole(shape
         assert ext.work.recompute_flops == pytest.approx(whole.work.recompute_flops)
         assert _flat(ext.work.comm_by_dim) == pytest.approx(_flat(whole.work.comm_by_dim))
     assert fakerank._SETTLED, "the first option's depth was kept for the second"
+
+
+def test_ranks_in_one_kept_world_measure_as_each_in_its_own():
+    """A search keeps one world and its meshes from rank to rank (fakerank.kept_worlds),
+    so that DTensor's plans made for one rank serve the next: every figure is the one
+    the rank measures in a world of its own, its collectives on its own mesh's
+    dimensions, through changes of world size and kind (a timed rank's world is
+    parabench's own group), and the world ends with the search."""
+    fsdp_tp = fakerank.Probe(Layout(dp_shard=2, tp=2, sequence_parallel=True), micro=2)
+    probes = [
+        fsdp_tp,
+        # a 16-rank world's two meshes, whose tp submeshes hold the same ranks, so
+        # that one would compare equal to the other's, were they named alike
+        fakerank.Probe(Layout(dp_replicate=8, tp=2, sequence_parallel=True, ac="full")),
+        fakerank.Probe(Layout(dp_replicate=4, dp_shard=2, tp=2, sequence_parallel=True, ac="full")),
+        fakerank.Probe(Layout(dp_replicate=2, dp_shard=2, ac="full"), micro=2),
+        fakerank.Probe(Layout(dp_replicate=2), micro=2),
+        fsdp_tp.replace(micro=4),
+    ]
+
+    def figures(m: fakerank.Measured) -> tuple:
+        return (
+            m.peak_bytes,
+            m.reserved_bytes,
+            m.by_category,
+            m.work.flops(),
+            dict(m.work.ops),
+            _flat(m.work.comm_by_dim),
+        )
+
+    fakerank._MEASURED.clear()
+    alone = [figures(fakerank.measure(LLAMA, p)) for p in probes]
+    fakerank._MEASURED.clear()
+    kept = []
+    with fakerank.kept_worlds():
+        for p in probes:
+            kept.append(figures(fakerank.measure(LLAMA, p)))
+            assert dist.is_initialized() and dist.get_world_size() == p.world
+            if p.layout.tp > 1:  # a rank of another kind in between: parabench's own group
+                phases = fakerank.timed(LLAMA, p.replace(micro=1), threads=1)
+                assert all(0 < s < 60 for s in phases.values())
+        assert len(fakerank._KEPT.meshes) == 1  # the last world's one mesh, made once
+    assert not dist.is_initialized()
+    assert kept == alone
 
 
 @pytest.mark.parametrize(

@@ -882,7 +882,8 @@ def _families_job(
     before = set(search.cache)
     steps = fakerank.measurements()
     known = fakerank.steps_known()  # what was shipped in, or measured here before
-    found = [_search_family(search, cands, facts, global_batch, tokens) for cands in fams]
+    with fakerank.kept_worlds():
+        found = [_search_family(search, cands, facts, global_batch, tokens) for cands in fams]
     new = {k: v for k, v in search.cache.items() if k not in before}
     probes = {(k[0], k[1]) for k in new}
     memo = [  # only the steps taken for these families: the searching process has the rest
@@ -928,6 +929,8 @@ def search(
     searched in, side by side (not where the model's ranks are timed here:
     Search.times_model). `decided(rows, families done, families)` is called with
     every row as soon as it is decided (unranked: ranks are given once all are in)."""
+    from parabench.predict import fakerank
+
     if search.times_model(name):  # its ranks are timed: one at a time, or they share cores
         pool = None
     rows: list[dict] = []
@@ -970,13 +973,12 @@ def search(
         args = (facts, global_batch, tokens)
         out = {}
         if pool is None:
-            for f in fams:
-                out[f] = _search_family(search, families[f], *args)
-                tell(out[f][0], len(done) + len(out))
+            with fakerank.kept_worlds():
+                for f in fams:
+                    out[f] = _search_family(search, families[f], *args)
+                    tell(out[f][0], len(done) + len(out))
             return out
         from concurrent.futures import as_completed
-
-        from parabench.predict import fakerank
 
         alike: dict[tuple, list[Candidate]] = {}
         for f in fams:

@@ -573,7 +573,24 @@ class Measured:
 def _fake_world(size: int, local: bool = False) -> Iterator[None]:
     """Rank 0 of a world of `size` over torch's `fake` process group, or, `local`, over
     parabench's (process/nocomm.py: each collective fills its output from this rank's
-    own data, so a real step computes on finite values; none waits)."""
+    own data, so a real step computes on finite values; none waits). Within
+    `kept_worlds`, the world of the last rank of this size and kind, where it was one."""
+    if _KEPT is not None:
+        if _KEPT.world != (size, local):
+            if _KEPT.world:
+                _end_world()
+            _begin_world(size, local)
+            _KEPT.world, _KEPT.meshes = (size, local), {}
+        yield
+        return
+    _begin_world(size, local)
+    try:
+        yield
+    finally:
+        _end_world()
+
+
+def _begin_world(size: int, local: bool) -> None:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from parabench.process import nocomm
@@ -583,18 +600,50 @@ def _fake_world(size: int, local: bool = False) -> Iterator[None]:
     # init_process_group wraps sys.excepthook to prefix "[rank0]:", again at each call:
     # a search's hundreds of worlds would prefix a traceback hundreds of times.
     hook = sys.excepthook
-    if local:
-        dist.init_process_group(nocomm.BACKEND, store=dist.HashStore(), rank=0, world_size=size)
-    else:
-        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=size)
+    try:
+        if local:
+            dist.init_process_group(nocomm.BACKEND, store=dist.HashStore(), rank=0, world_size=size)
+        else:
+            dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=size)
+    finally:
+        sys.excepthook = hook
+
+
+def _end_world() -> None:
+    dist.destroy_process_group()
+    runtime.forget_meshes()
+
+
+@dataclasses.dataclass
+class _Kept:
+    """The world `kept_worlds` keeps, (size, local), and its meshes by their dimensions
+    and degrees."""
+
+    world: tuple[int, bool] | None = None
+    meshes: dict = dataclasses.field(default_factory=dict)
+
+
+_KEPT: _Kept | None = None  # None: each rank its own world
+
+
+@contextlib.contextmanager
+def kept_worlds() -> Iterator[None]:
+    """Ranks measured or timed within share one world while their size and kind stay
+    the same, and one mesh per shape in it: DTensor's sharding plans, cached by mesh,
+    then serve every later rank of the shape (a search: a third of a TP rank's fake
+    step went to making them again). A new world's meshes are named apart from the last
+    one's, whose plans are dropped with it (runtime.forget_meshes)."""
+    global _KEPT
+    if _KEPT is not None:  # already within
+        yield
+        return
+    _KEPT = _Kept()
     try:
         yield
     finally:
-        dist.destroy_process_group()
-        sys.excepthook = hook
-        from parabench.process.runtime import forget_meshes
-
-        forget_meshes()
+        kept, _KEPT = _KEPT, None
+        if kept.world:
+            _end_world()
 
 
 _BUILT = itertools.count()
@@ -606,13 +655,19 @@ def _mesh(layout: Layout) -> NamedMesh | None:
     dims = layout.declared()
     if not dims:
         return None
-    # Named apart from every earlier measurement's: DeviceMesh compares equal by shape
-    # and names, and torch's caches (DTensor's plans, a mesh's flattened groups) would
-    # hand this one the groups of a world destroyed since (predict/rank_alone.py's _BUILT, alike).
+    shape = tuple(layout.degrees[d] for d in dims)
+    if _KEPT is not None and (dims, shape) in _KEPT.meshes:
+        mesh, tag = _KEPT.meshes[dims, shape]
+        return NamedMesh(mesh, layout, tag)
+    # Named apart from every other mesh: DeviceMesh compares equal by its ranks and
+    # names, and torch's caches (DTensor's plans, a mesh's flattened groups) would hand
+    # this one another's groups, of a world destroyed since or, in a kept world, of
+    # another layout's mesh whose submesh holds the same ranks (predict/rank_alone.py's
+    # _BUILT, alike).
     tag = f"_{next(_BUILT)}"
-    mesh = init_device_mesh(
-        "cpu", tuple(layout.degrees[d] for d in dims), mesh_dim_names=tuple(d + tag for d in dims)
-    )
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=tuple(d + tag for d in dims))
+    if _KEPT is not None:
+        _KEPT.meshes[dims, shape] = (mesh, tag)
     return NamedMesh(mesh, layout, tag)
 
 
