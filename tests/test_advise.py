@@ -840,17 +840,23 @@ def test_a_rank_timed_on_this_host_takes_the_rooflines_place():
 
 def test_this_machine_times_each_rank_that_fits_and_says_so():
     """On this host's CPU as the device, a small model's rank that fits is run here on
-    real tensors (finite values: its parameters drawn, its collectives filled from its
-    own data) and timed, and the row says so; one that does not fit, a model too large
-    to time here, or any GPU profile's, is priced."""
+    real tensors (finite values: the model's own initial ones, its collectives filled
+    from its own data, a step moving them) and timed, and the row says so; one that
+    does not fit, a model too large to time here, or any GPU profile's, is priced."""
     spec = ModelSpec.of(**GPT)
     host = gpus.GPU(gpus.THIS_MACHINE, 1e11, 1e11, 2**34, 1e10, "by hand", cores=2)
     c = advise.Candidate("gpt", 4, Layout(dp_shard=2, tp=2), 2, 1)
     probe = advise._probe(c, "fp32", "sgd")
     with fakerank.rank(spec, probe, fake=False, local=True) as r:
+        before = [fakerank._local(p).clone() for p in r.module.parameters()]
         fakerank.step(r)
         shards = [fakerank._local(p) for p in r.module.parameters()]
-        assert all(torch.isfinite(t).all() and t.std() > 0 for t in shards)
+        assert all(torch.isfinite(t).all() for t in shards)
+        assert all(t.std() > 0 for t in shards if t.dim() > 1)  # the model's own values
+        assert (
+            sum(not torch.equal(a, b) for a, b in zip(shards, before, strict=True))
+            > len(shards) / 2
+        )
     search = advise.Search({"gpt": spec}, host, UNIT_FABRIC, "fp32", "sgd", log=lambda _: None)
     row = search.row(c, None, 4, 16)
     assert row["status"] == "ok" and row["fits"], row

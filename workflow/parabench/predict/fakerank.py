@@ -725,15 +725,25 @@ def rank(spec: ModelSpec, probe: Probe, fake: bool = True, local: bool = False) 
     given storage: fake (nothing allocated) or, `fake` False, real
     (tests/test_advise.py checks one against the other). The optimizer's state is made,
     as every step after the first holds it (`initial_state`). `local`: over parabench's
-    own group instead, its real parameters drawn (`timed`)."""
+    own group instead, built as a cell builds its rank (`timed`): on real storage from
+    the start, with the model's own initial values, and DDP as torch's
+    DistributedDataParallel, which needs real storage to build (a fake rank's DDP is
+    FSDP2's `replicate`, as torchtitan's)."""
     if probe.blocks:
         spec = at_depth(spec, probe.blocks)
     with _fake_world(probe.world, local), quiet_fake():
         mesh = _mesh(probe.layout)
-        with torch.device("meta"):
+        with contextlib.nullcontext() if local else torch.device("meta"):
             model = build(spec, 0)
         model.module.train()
-        par = parallelize(model, probe.layout, mesh, precision=probe.precision, fake=True)
+        par = parallelize(
+            model,
+            probe.layout,
+            mesh,
+            precision=probe.precision,
+            device=torch.device("cpu") if local else None,
+            fake=not local,
+        )
         dims = {g.group_name: d for d, g in mesh.groups().items()} if mesh else {}
         boundary = [0]
         if blocks := model.blocks():
@@ -743,9 +753,8 @@ def rank(spec: ModelSpec, probe: Probe, fake: bool = True, local: bool = False) 
                 )
             )
         with fake_mode() if fake else contextlib.nullcontext():
-            model.module.to_empty(device="cpu")
-            if local:
-                _drawn(model.module)
+            if not local:
+                model.module.to_empty(device="cpu")
             opt = _optimizer(model.module, probe)
             initial_state(opt)
             batch = model.batch(probe.micro, torch.Generator().manual_seed(0))
@@ -764,7 +773,7 @@ def step(
     lap = lap or (lambda phase: None)
     x, y = r.batch
     with autocast:
-        out = r.module(x)
+        out = r.par.root(x)
     with loss_parallel() if r.par.split_loss else contextlib.nullcontext():
         # the loss is held through the optimizer, as a cell's train_step holds it
         loss = r.model.loss_fn(out, y)
@@ -784,11 +793,10 @@ def timed(spec: ModelSpec, probe: Probe, threads: int) -> dict[str, float]:
     intra-op threads, its collectives returning at once on its own data: the median
     over timed steps after a warm-up, as a cell's rank alone is timed (loop's
     ALONE_STEPS and ALONE_WARMUP; rank_alone itself builds a cell's strategy, where
-    this is the layout advise prices, built by the same `parallelize` as the fake
-    rank). What
-    `this-machine` knows of a rank's compute where the rank fits here
-    (predict/advise.py: a CPU's cost per op is mostly the host's work around it, which
-    no roofline holds)."""
+    this is the layout advise prices, built by `parallelize` as a cell builds it:
+    `rank`'s `local`). What `this-machine` knows of a rank's compute where the rank
+    fits here (predict/advise.py: a CPU's cost per op is mostly the host's work around
+    it, which no roofline holds)."""
     from parabench.run.loop import ALONE_STEPS, ALONE_WARMUP
 
     before = torch.get_num_threads()
@@ -809,25 +817,6 @@ def timed(spec: ModelSpec, probe: Probe, threads: int) -> dict[str, float]:
         torch.set_num_threads(before)
     kept = laps[ALONE_WARMUP:]
     return {p: statistics.median(t[p] for t in kept) for p in (FORWARD, BACKWARD, OPTIMIZER)}
-
-
-def _drawn(module: nn.Module) -> None:
-    """Real values for storage made empty, so that a step computes on finite numbers of
-    a trained model's scale: each floating parameter's local shard drawn N(0, 0.02), a
-    vector of them (a norm's weight, a bias) as a fresh module holds it (ones for a
-    weight, zeros for a bias), and buffers (rotary frequencies) drawn alike."""
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, t in itertools.chain(module.named_parameters(), module.named_buffers()):
-            local = _local(t)
-            if not local.is_floating_point():
-                continue
-            if t.dim() == 1 and name.endswith("weight"):
-                local.fill_(1.0)
-            elif t.dim() == 1 and name.endswith("bias"):
-                local.zero_()
-            else:
-                local.copy_(torch.randn(local.shape, generator=gen) * 0.02)
 
 
 @contextlib.contextmanager

@@ -172,7 +172,8 @@ def _data_parallel(
     fake: bool,
 ) -> nn.Module:
     """FSDP2 (HSDP when replicated too) per block then the root, or DDP over
-    dp_replicate; `root` as it was without data parallelism."""
+    dp_replicate (torch's DistributedDataParallel, or FSDP2's `replicate`); `root` as
+    it was without data parallelism."""
     if layout.dp_shard > 1:
         dims = ("dp_replicate", "dp_shard") if layout.dp_replicate > 1 else ("dp_shard",)
         mp = fsdp_policy(precision)
@@ -182,7 +183,9 @@ def _data_parallel(
         fully_shard(root, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp)
         return root
     if layout.dp_replicate > 1:
-        if fake:
+        # FSDP2's replicate (torchtitan's DDP) on fake tensors, which DDP's C++ reducer
+        # cannot hold, and over TP's DTensor parameters, which DDP cannot broadcast
+        if fake or layout.tp > 1:
             from torch.distributed._composable.replicate_with_fsdp import replicate
 
             replicate(root, mesh=mesh.get("dp_replicate"))
