@@ -411,14 +411,17 @@ def predict(
     a, lay = c.accumulation, c.layout
     slicing = max(1.0, c.gpus / gpu.cores) if gpu.cores else 1.0  # ranks sharing cores
 
-    def compute_of(seconds: Callable[[str], float]) -> tuple[float, float, float]:
-        """A step's recompute, a micro-batch's compute and the step's compute."""
-        recompute = seconds(RECOMPUTE) * slicing
-        micro_s = seconds(STEP) * slicing + recompute
-        return recompute, micro_s, a * micro_s + seconds(OPTIMIZER) * slicing
+    def compute_of(seconds: Callable[[str], float], turns: float) -> tuple[float, float, float]:
+        """A step's recompute, a micro-batch's compute and the step's compute, each
+        phase `turns` times its own (ranks taking turns on a core)."""
+        recompute = seconds(RECOMPUTE) * turns
+        micro_s = seconds(STEP) * turns + recompute
+        return recompute, micro_s, a * micro_s + seconds(OPTIMIZER) * turns
 
-    recompute, micro_s, compute = compute_of(seconds)
-    forward = seconds(FORWARD) * slicing
+    # a timed rank took its turns, beside the others (fakerank.timed)
+    turns = 1.0 if phases else slicing
+    recompute, micro_s, compute = compute_of(seconds, turns)
+    forward = seconds(FORWARD) * turns
     issued = collectives(m, lay, float8)
     hidden = a * (data_parallel(issued, lay, fabric, forward, micro_s - forward) or 0.0)
     if slicing > 1:  # no core is free for gloo's threads while the ranks compute
@@ -450,7 +453,7 @@ def predict(
     return {
         "compute_s": compute,
         # the roofline's figure beside a timed one: how far pricing is from this host
-        "roofline_compute_s": compute_of(priced)[2] if phases else compute,
+        "roofline_compute_s": compute_of(priced, slicing)[2] if phases else compute,
         "recompute_s": a * recompute,
         "comm_s": comm + p2p,
         "comm_hidden_s": hidden,
@@ -552,7 +555,7 @@ class Search:
             raise ValueError(f"advise.float8: gpu {gpu.name!r} has no FP8 rate (fp8_flops)")
         self.derive = derive  # False: every rank measured itself (the test of deriving)
         self.cache: dict = {}
-        self.times: dict = {}  # (model, probe at its blocks, threads) -> fakerank.timed's
+        self.times: dict = {}  # (model, probe at its blocks, ranks) -> fakerank.timed's
         self.small: dict[str, bool] = {}  # model -> whether its ranks are timed
         self.measurements = 0  # fake steps taken (fakerank.measure)
         self.memo: list = []  # what a worker's copy takes in first (for_family)
@@ -668,9 +671,9 @@ class Search:
             source, timed = f"{source}; timing its rank here failed: {timed}", None
         elif timed:
             source = (
-                f"timed here: the rank's step on real tensors, {self._threads(c)} of "
-                f"{self.gpu.cores} cores' threads, collectives returning at once "
-                "(fakerank.timed)"
+                f"timed here: the rank's step on real tensors beside its {c.gpus - 1} "
+                f"other ranks on {self.gpu.cores} cores, as a cell's run, collectives "
+                "returning at once (fakerank.timed)"
             )
         row.update(
             status="ok",
@@ -688,13 +691,6 @@ class Search:
         )
         row["binding"] = binding(row)
         return row
-
-    def _threads(self, c: Candidate) -> int:
-        """The intra-op threads a rank of `c` runs with on this host: its share of the
-        cores, as the cells bind it (runtime.share)."""
-        from parabench.process import runtime
-
-        return len(runtime.share(0, c.gpus, list(range(self.gpu.cores))))
 
     def times_model(self, model: str) -> bool:
         """Whether `model`'s ranks are timed here, every one that fits (so that a search
@@ -718,11 +714,11 @@ class Search:
 
         # a pipeline's stage: its blocks
         probe = _probe(c, self.precision, self.optimizer).replace(blocks=blocks or 0)
-        key = (c.model, probe, self._threads(c))
+        key = (c.model, probe, c.gpus)
         if key not in self.times:
             t0 = time.perf_counter()
             try:
-                self.times[key] = fakerank.timed(self.specs[c.model], probe, self._threads(c))
+                self.times[key] = fakerank.timed(self.specs[c.model], probe, c.gpus)
             except Exception as e:  # a row that says why, never a lost search
                 self.times[key] = _why(e)
             self.log(

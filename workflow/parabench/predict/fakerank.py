@@ -42,6 +42,7 @@ import dataclasses
 import functools
 import itertools
 import math
+import os
 import statistics
 import sys
 import threading
@@ -787,24 +788,44 @@ def step(
     lap(OPTIMIZER)
 
 
-def timed(spec: ModelSpec, probe: Probe, threads: int) -> dict[str, float]:
+def timed(spec: ModelSpec, probe: Probe, ranks: int = 1) -> dict[str, float]:
     """Seconds of each phase of the rank's step (FORWARD with the loss, BACKWARD with
-    any recompute, OPTIMIZER), run on this host's CPU on real tensors with `threads`
-    intra-op threads, its collectives returning at once on its own data: the median
-    over timed steps after a warm-up, as a cell's rank alone is timed (loop's
-    ALONE_STEPS and ALONE_WARMUP; rank_alone itself builds a cell's strategy, where
-    this is the layout advise prices, built by `parallelize` as a cell builds it:
-    `rank`'s `local`). What `this-machine` knows of a rank's compute where the rank
-    fits here (predict/advise.py: a CPU's cost per op is mostly the host's work around
-    it, which no roofline holds)."""
+    any recompute, OPTIMIZER), run on this host's CPU on real tensors, its collectives
+    returning at once on its own data, after a warm-up (loop's ALONE_WARMUP; the rank
+    is the layout advise prices, built by `parallelize` as a cell builds it: `rank`'s
+    `local`; rank_alone times a cell's own strategy).
+
+    As `ranks` ranks of a cell run on this host: each process bound to its share of the
+    cores, with as many intra-op threads (runtime.share), the rank timed while the
+    others step beside it (forked copies of it), so that ranks sharing a core take
+    turns, and contend for its caches, as a cell's do. So each phase is the mean over
+    at least ALONE_STEPS steps and _WINDOW_S seconds, turns and all, where a rank
+    alone takes the median. What `this-machine` knows of a
+    rank's compute where the rank fits here (predict/advise.py: a CPU's cost per op is
+    mostly the host's work around it, which no roofline holds)."""
+    import multiprocessing
+
     from parabench.run.loop import ALONE_STEPS, ALONE_WARMUP
 
+    cores = sorted(os.sched_getaffinity(0))
     before = torch.get_num_threads()
     laps: list[dict[str, float]] = []
+    fork = multiprocessing.get_context("fork")
+    ready, stop, others = fork.Semaphore(0), fork.Event(), []
     try:
-        torch.set_num_threads(threads)
         with rank(spec, probe, fake=False, local=True) as r:
-            for _ in range(ALONE_STEPS + ALONE_WARMUP):
+            step(r)  # the lazy first step (FSDP's and the optimizer's), before forking
+            for i in range(1, ranks):
+                others.append(fork.Process(target=_beside, args=(r, i, ranks, ready, stop)))
+                others[-1].start()
+            for _ in others:
+                if not ready.acquire(timeout=_BESIDE_START_S):
+                    raise RuntimeError("fakerank.timed: a rank beside it did not start")
+            _share(0, ranks, cores)
+            for _ in range(ALONE_WARMUP):
+                step(r)
+            start = time.perf_counter()
+            while len(laps) < ALONE_STEPS or time.perf_counter() - start < _WINDOW_S:
                 got, t0 = {}, [time.perf_counter()]
 
                 def lap(phase: str, got=got, t0=t0) -> None:
@@ -814,9 +835,39 @@ def timed(spec: ModelSpec, probe: Probe, threads: int) -> dict[str, float]:
                 step(r, lap=lap)
                 laps.append(got)
     finally:
+        stop.set()
+        for proc in others:
+            proc.join(timeout=_BESIDE_START_S)
+            if proc.is_alive():
+                proc.kill()
+        os.sched_setaffinity(0, cores)
         torch.set_num_threads(before)
-    kept = laps[ALONE_WARMUP:]
-    return {p: statistics.median(t[p] for t in kept) for p in (FORWARD, BACKWARD, OPTIMIZER)}
+    return {p: statistics.fmean(t[p] for t in laps) for p in (FORWARD, BACKWARD, OPTIMIZER)}
+
+
+# Seconds a forked rank may take to step once, or to stop.
+_BESIDE_START_S = 60.0
+# The least time the timed steps span: ranks sharing a core take turns in the
+# scheduler's slices (milliseconds), so a window of a few short steps could fall
+# within one slice and never see the others' turns.
+_WINDOW_S = 0.25
+
+
+def _share(local_rank: int, ranks: int, cores: list[int]) -> None:
+    """Bind this process to a cell's rank's share of `cores`, with as many threads."""
+    mine = runtime.share(local_rank, ranks, cores)
+    os.sched_setaffinity(0, mine)
+    torch.set_num_threads(len(mine))
+
+
+def _beside(r: Rank, local_rank: int, ranks: int, ready, stop) -> None:
+    """A forked copy of the timed rank, stepping as rank `local_rank` of `ranks` until
+    told to stop (`timed`)."""
+    _share(local_rank, ranks, sorted(os.sched_getaffinity(0)))
+    step(r)
+    ready.release()
+    while not stop.is_set():
+        step(r)
 
 
 @contextlib.contextmanager
