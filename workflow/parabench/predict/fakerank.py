@@ -845,12 +845,12 @@ def timed(spec: ModelSpec, probe: Probe, ranks: int = 1) -> dict[str, float]:
     return {p: statistics.fmean(t[p] for t in laps) for p in (FORWARD, BACKWARD, OPTIMIZER)}
 
 
-# Seconds a forked rank may take to step once, or to stop.
+# Seconds a forked rank may take to start, or to stop.
 _BESIDE_START_S = 60.0
 # The least time the timed steps span: ranks sharing a core take turns in the
 # scheduler's slices (milliseconds), so a window of a few short steps could fall
 # within one slice and never see the others' turns.
-_WINDOW_S = 0.25
+_WINDOW_S = 0.1
 
 
 def _share(local_rank: int, ranks: int, cores: list[int]) -> None:
@@ -864,8 +864,7 @@ def _beside(r: Rank, local_rank: int, ranks: int, ready, stop) -> None:
     """A forked copy of the timed rank, stepping as rank `local_rank` of `ranks` until
     told to stop (`timed`)."""
     _share(local_rank, ranks, sorted(os.sched_getaffinity(0)))
-    step(r)
-    ready.release()
+    ready.release()  # its first step was the timed rank's, before the fork
     while not stop.is_set():
         step(r)
 
