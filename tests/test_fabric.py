@@ -148,3 +148,99 @@ def test_a_collective_is_timed_as_the_median_of_its_loops(monkeypatch):
         dist.destroy_process_group()
     assert iters == 3
     assert 0.009 < took < 0.025, took  # the mean of the loops would be 38 ms
+
+
+@pytest.mark.parametrize(
+    "degrees",
+    [
+        {"dp_shard": 2, "tp": 2},
+        {"dp_replicate": 2, "dp_shard": 2},
+        {"pp": 2, "dp_replicate": 2},
+        {"pp": 2, "dp_shard": 2, "tp": 2},
+        {"dp_replicate": 2, "dp_shard": 4},
+    ],
+    ids=lambda d: "x".join(f"{k}{v}" for k, v in d.items()),
+)
+def test_the_benchmark_times_each_group_as_a_layouts_mesh_places_it(degrees):
+    """Each mesh dimension's groups, as torch's DeviceMesh lays its ranks out (row-major
+    over layout.MESH_DIMS, tp innermost), are one of the benchmark's placements: g ranks
+    span / g apart (scaling.spans), which is how fabric.time reads them."""
+    import math
+
+    import torch
+
+    from parabench.layout import MESH_DIMS
+    from parabench.predict.scaling import spans
+    from parabench.run import collectives
+
+    dims = [d for d in MESH_DIMS if degrees.get(d, 1) > 1]
+    world = math.prod(degrees.values())
+    mesh = torch.arange(world).reshape([degrees[d] for d in dims])
+    span = spans(degrees)
+    for i, d in enumerate(dims):
+        along = mesh.movedim(i, -1).reshape(-1, degrees[d]).tolist()
+        placed = (degrees[d], span[d] // degrees[d])
+        assert placed in collectives.placements(world)
+        assert sorted(collectives.groups_of(world, *placed)) == sorted(along), d
+
+
+def test_a_layouts_group_is_priced_on_the_curve_measured_where_its_ranks_sit():
+    """fabric.time reads a group of n ranks within a layout of `world` on the curve the
+    benchmark measured for that placement (world, span / n apart); a whole world of n,
+    a placement never measured, or a table written before groups were (no `world`
+    column), on the whole world's curve at n."""
+    import pandas as pd
+
+    def rows(seconds: float, devices: int, world: int, stride: int) -> list[dict]:
+        return [
+            {
+                "op": "all_reduce",
+                "devices": devices,
+                "bytes": b,
+                "time_s": seconds,
+                "busbw_GBps": b / seconds / 1e9,  # a bus factor of 1 is enough here
+                "backend": "gloo",
+                "world": world,
+                "stride": stride,
+            }
+            for b in (4096, 65536)
+        ]
+
+    curves = pd.DataFrame(rows(1e-3, 2, 2, 1) + rows(4e-3, 2, 4, 1) + rows(2e-3, 2, 4, 2))
+    f = fabric.from_curves(curves)
+    at = 65536 * 1  # the bus factor's bytes: all_reduce at 2 ranks moves 1x
+
+    def t(**kw) -> float:
+        return f.time("all_reduce", 2, at, **kw) * 1e3
+
+    assert t() == pytest.approx(1.0)  # the world of 2
+    assert t(span=2, world=2) == pytest.approx(1.0)
+    assert t(span=2, world=4) == pytest.approx(4.0)  # consecutive: a tp pair
+    assert t(span=4, world=4) == pytest.approx(2.0)  # 2 apart: dp_shard outside tp 2
+    assert t(span=2, world=8) == pytest.approx(1.0)  # never measured: the world's curve
+    older = fabric.from_curves(curves.drop(columns=["world", "stride"]).head(2))
+    assert older.time("all_reduce", 2, at, span=2, world=4) * 1e3 == pytest.approx(1.0)
+
+
+def test_a_four_rank_benchmark_also_times_its_pairs_where_a_layout_puts_them(tmp_path):
+    """A real 4-rank gloo benchmark writes the world's curves and, for each op, its
+    pairs consecutive and 2 apart, all pairs calling at once; the report's curves and
+    the cells' model read the world's only (collectives.whole)."""
+    import pandas as pd
+
+    from parabench.jobs.launch import collectives_argv
+    from parabench.run import collectives
+
+    argv = collectives_argv(4, [4096], "cpu", 60, tmp_path, python=sys.executable)
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = pd.read_csv(tmp_path / "collectives.csv")
+    placed = set(rows[["devices", "world", "stride"]].itertuples(index=False, name=None))
+    assert placed == {(4, 4, 1), (2, 4, 1), (2, 4, 2)}
+    for _, at in rows.groupby(["devices", "stride"]):
+        assert set(at["op"]) == set(collectives.CURVES) and (at["time_s"] > 0).all()
+    assert set(collectives.whole(rows)["devices"]) == {4}
+    f = fabric.from_curves(rows)
+    assert {k for k in f.tables if len(k) == 4} == {
+        (op, 2, 4, s) for op in collectives.CURVES for s in (1, 2)
+    }

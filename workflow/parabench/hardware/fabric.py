@@ -178,10 +178,14 @@ class Fabric:
     # a two-level profile's latency: NCCL's model (nccl_time), or its tables' own
     nccl_latency: bool = False
 
-    def time(self, op: str, n: int, nbytes: float, span: int | None = None) -> float:
+    def time(
+        self, op: str, n: int, nbytes: float, span: int | None = None, world: int | None = None
+    ) -> float:
         """Seconds of one call of `op` over `n` ranks; `span`: the consecutive ranks
         the group covers (n, unless a mesh dimension inside it spreads it: tp 8 inside
-        puts a dp group of 8 on eight nodes), which decides a two-level profile's level."""
+        puts a dp group of 8 on eight nodes), which decides a two-level profile's level;
+        `world`: the ranks of the layout, whose groups of n call at once, placed span / n
+        apart, as curves measured so are read (the collectives benchmark's groups)."""
         if n < 2 or not nbytes:
             return 0.0
         if self.gpus_per_node:
@@ -200,7 +204,10 @@ class Fabric:
         if "any" in self.tables:  # one table for every op (nccl-tests)
             return self.tables["any"].time(op, n, nbytes)
         curve = OPS[op].curve if op in OPS else "send_recv"
-        counts = sorted(k[1] for k in self.tables if k[0] == curve)
+        placed = (curve, n, world, max(1, (span or n) // n))
+        if world and world > n and placed in self.tables:
+            return self.tables[placed].time(op, n, nbytes)
+        counts = sorted(k[1] for k in self.tables if k[0] == curve and len(k) == 2)
         if not counts:
             return float("nan")
         # the measured count itself, or the largest one below n (else the smallest)
@@ -221,22 +228,31 @@ def from_curves(curves: pd.DataFrame, label: str = "this machine") -> Fabric:
     if curves.empty:
         raise FabricError("no collective curves were measured (collectives.csv is empty)")
     tables = {}
-    for (op, n), c in curves.groupby(["op", "devices"]):
+    curves = curves.assign(  # an earlier run's, without groups: whole worlds
+        world=curves["world"].fillna(curves["devices"]) if "world" in curves else curves["devices"],
+        stride=curves["stride"].fillna(1) if "stride" in curves else 1,
+    )
+    for (op, n, world, stride), c in curves.groupby(["op", "devices", "world", "stride"]):
         c = c.sort_values("bytes")
         busbw = [float(b) * 1e9 for b in c["busbw_GBps"]]
         if min(busbw) <= 0:
             continue
         # the measured times at this n, exactly: latency folded into busbw, none added
         sizes = tuple(float(b) for b in c["bytes"])
-        tables[(op, int(n))] = BusbwTable(sizes, tuple(busbw), 0.0)
+        # a group's curve (run.collectives' placements) apart from the whole world's
+        key = (op, int(n)) if world == n else (op, int(n), int(world), int(stride))
+        tables[key] = BusbwTable(sizes, tuple(busbw), 0.0)
     if not tables:
         raise FabricError("collectives.csv has no curve with a positive bus bandwidth")
     backend = ", ".join(sorted({str(b) for b in curves["backend"]})) if "backend" in curves else "?"
     counts = sorted({int(n) for n in curves["devices"]})
+    groups = any(len(k) == 4 for k in tables)
     return Fabric(
         "curves",
         f"{label}'s collectives benchmark ({backend}, measured at n = "
-        f"{', '.join(map(str, counts))}; beyond {counts[-1]} its busbw, held constant)",
+        f"{', '.join(map(str, counts))}; beyond {counts[-1]} its busbw, held constant"
+        + ("; a layout's groups as its ranks are placed, where measured" if groups else "")
+        + ")",
         tables,
     )
 

@@ -369,7 +369,7 @@ def data_parallel(comm: dict, lay: Layout, fabric: Fabric, forward_s: float, bac
         e = comm.get(dim, {}).get(op, {})
         if not e.get("count"):
             return 0.0, 0.0
-        return e["count"], fabric.time(op, deg[dim], e["bytes"] / e["count"], span[dim])
+        return e["count"], fabric.time(op, deg[dim], e["bytes"] / e["count"], span[dim], lay.world)
 
     gathers, gather = call("dp_shard", "all_gather")
     reduces, reduce = call("dp_shard", "reduce_scatter")
@@ -443,7 +443,7 @@ def predict(
         span = 2 * lay.dp * lay.tp
         # interleaved: a micro-batch crosses v x pp - 1 boundaries, the last back to rank 0
         hops = lay.pp * stages_per_rank(lay.schedule) - 1
-        p2p = 2 * hops * fabric.time("send", 2, m.boundary_bytes, span)
+        p2p = 2 * hops * fabric.time("send", 2, m.boundary_bytes, span, lay.world)
     # (pp - 1)/m of m micro-batches' compute; interleaved, its stages a rank each fill
     # and drain in 1/v of the time (Narayanan et al. 2021, torch's Interleaved1F1B)
     bubble = (lay.pp - 1) * micro_s / stages_per_rank(lay.schedule)

@@ -61,7 +61,7 @@ def _curve_comm(row: pd.Series, curves: pd.DataFrame, n: int) -> float:
     if record(row["strategy"]).composed and row.get("comm_by_dim"):
         return layout_comm(
             [json.loads(row["comm_by_dim"])],
-            lambda op, k, nbytes, _span: curve_time(curves, op, k, nbytes),
+            lambda op, k, nbytes, _span, _world: curve_time(curves, op, k, nbytes),
             layout_of(row).degrees,
             options(row).get("microbatches", 1),
             scheduled=False,  # comm_s is all of it, hidden or not

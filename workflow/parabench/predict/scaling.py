@@ -164,22 +164,24 @@ def spans(degrees: dict[str, int]) -> dict[str, int]:
 
 def layout_comm(
     per_rank: list[dict[str, dict]],
-    time: Callable[[str, int, float, int], float],
+    time: Callable[[str, int, float, int, int], float],
     degrees: dict[str, int],
     m: int,
     scheduled: bool = True,
 ) -> float:
     """Seconds a step waits on the collectives of the ranks measured alone, each mesh
-    dimension's at its own degree (`time(op, ranks, nbytes, span)`, span: the
-    consecutive ranks its group covers, which decides a link's level): a pipeline's
+    dimension's at its own degree (`time(op, ranks, nbytes, span, world)`, span: the
+    consecutive ranks its group covers, which decides a link's level; world: the
+    layout's ranks, whose groups call at once): a pipeline's
     transfers over pp as critical_comm counts them (every stage's, once per fill and
     drain; `scheduled` False: all of them, as a rank's own communication time counts
     them); the other dimensions' all of them, on the busiest stage (stages run at once)."""
     deg = {**degrees, "world": max(degrees.values(), default=1)}
     span = {**spans(degrees), "world": deg["world"]}
+    world = math.prod(degrees.values())
 
     def at(d: str) -> Callable[[str, float], float]:
-        return lambda op, nbytes: time(op, deg.get(d, 1), nbytes, span.get(d, 1))
+        return lambda op, nbytes: time(op, deg.get(d, 1), nbytes, span.get(d, 1), world)
 
     pp = [r.get("pp", {}) for r in per_rank]
     pipe = (
@@ -230,7 +232,7 @@ def predict(
             compute = mine["compute_s"].max() * max(1.0, row["ranks_per_core"])
             comm = layout_comm(
                 [by_dim(r, row["strategy"]) for _, r in mine.iterrows()],
-                lambda op, k, nbytes, _span: curve_time(curves, op, k, nbytes),
+                lambda op, k, nbytes, _span, _world: curve_time(curves, op, k, nbytes),
                 layout_of(row).degrees,
                 settings.get("microbatches", 1),
             )

@@ -562,10 +562,12 @@ def aggregate(
     rows, _failed, windows = collectives.load(list(collective_metas))
     cells, steps = load_cells(meta_paths, windows, config_hashes)
     curves = pd.DataFrame(rows, columns=list(collectives.COLUMNS))
-    for col in ("devices", "bytes", "time_s", "algbw_GBps", "busbw_GBps", "iters", "trials"):
+    numeric = ("devices", "bytes", "time_s", "algbw_GBps", "busbw_GBps", "iters", "trials")
+    for col in (*numeric, "world", "stride"):
         curves[col] = pd.to_numeric(curves[col])
     ranks = pd.read_csv(ranks_csv) if ranks_csv else None
-    summary = summarize(cells, steps, curves, ranks)
+    # the cells' model reads the curves over whole worlds; advise's fabric, every row
+    summary = summarize(cells, steps, collectives.whole(curves), ranks)
     cells = cells.drop(columns=list(_IN_MEMORY))
     outputs = {Path(steps_out): steps, Path(cells_out): cells, Path(summary_out): summary}
     if collectives_out is not None:

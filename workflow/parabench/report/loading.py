@@ -9,6 +9,7 @@ from pathlib import Path
 import pandas as pd
 
 from parabench.records import VARIANT_KEYS
+from parabench.run import collectives
 
 
 @dataclass
@@ -30,7 +31,8 @@ class Results:
         for t in tables:  # one label per (model, variant): the plots' panels, the headlines'
             t["panel"] = panel_labels(t)
         path = results / "collectives.csv"
-        curves = pd.read_csv(path) if path.exists() else pd.DataFrame()
+        # the curves over whole worlds: a group's (a layout's dimension) is advise's
+        curves = collectives.whole(pd.read_csv(path)) if path.exists() else pd.DataFrame()
         plan, advise = config.get("plan") or {}, config.get("advise") or {}
         ran = {
             "plan.csv": plan.get("enabled"),

@@ -12,6 +12,14 @@ and reports the median loop's mean time per call (slowest rank) and:
 reduce-scatter: the input reduced). send/recv pairs rank 2i with 2i+1, each pair moving
 `bytes` one way. The scaling model reads these curves at the sizes each strategy
 really sends.
+
+A layout's mesh dimension is a group of fewer ranks than the world, every group of it
+at once, and where it sits matters (on CPU, a cell's 4 ranks on 2 cores put a TP
+pair on one core, which a benchmark of 2 ranks on 2 cores never sees). So at 4 ranks
+and more, each group size g that divides the world is also timed as each mesh
+dimension of degree g places it: g ranks `stride` apart (1: consecutive, a mesh's
+innermost dimension), the world's W / g groups calling together; their rows say
+`world` W and `stride` (the world's own: world = devices, stride 1).
 """
 
 from __future__ import annotations
@@ -39,29 +47,35 @@ COLUMNS = (
     "iters",
     "dtype",
     "trials",
+    "world",
+    "stride",
 )
 
 
-def _call(op: str, numel: int, n: int, rank: int, device: torch.device) -> Callable[[], None]:
-    """One call of `op` moving `numel` fp32 elements (buffers allocated once)."""
+def _call(
+    op: str, numel: int, device: torch.device, group: dist.ProcessGroup | None = None
+) -> Callable[[], None]:
+    """One call of `op` moving `numel` fp32 elements over `group` (None: the world),
+    buffers allocated once."""
+    n, rank = dist.get_world_size(group), dist.get_rank(group)
     full = torch.ones(numel, device=device)
     part = torch.ones(numel // n, device=device)
     if op == "all_reduce":
-        return lambda: dist.all_reduce(full)
+        return lambda: dist.all_reduce(full, group=group)
     if op == "all_gather":
         gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
-        return lambda: gather(full, part)
+        return lambda: gather(full, part, group=group)
     if op == "reduce_scatter":  # torch 2.13 renames reduce_scatter_tensor
         scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
-        return lambda: scatter(part, full)
+        return lambda: scatter(part, full, group=group)
     if op == "broadcast":
-        return lambda: dist.broadcast(full, src=0)
-    peer = rank ^ 1  # pairs (0,1), (2,3), ...; an odd rank out waits
+        return lambda: dist.broadcast(full, group=group, group_src=0)
+    peer = rank ^ 1  # pairs (0,1), (2,3), ... of the group; an odd rank out waits
     if peer >= n:
         return lambda: None
     if rank % 2 == 0:
-        return lambda: dist.send(full, dst=peer)
-    return lambda: dist.recv(full, src=peer)
+        return lambda: dist.send(full, group=group, group_dst=peer)
+    return lambda: dist.recv(full, group=group, group_src=peer)
 
 
 TRIALS = 5  # timed loops per op and size: the median loop's mean is reported
@@ -74,16 +88,18 @@ def time_op(
     min_time_s: float = 0.03,
     max_iters: int = 50,
     trials: int = TRIALS,
+    group: dist.ProcessGroup | None = None,
 ) -> tuple[float, int]:
-    """Seconds per call of `op` at `nbytes`: the mean over a loop of back-to-back calls
-    (the slowest rank's), the median over `trials` loops; and the calls each loop times.
-    Every rank runs the same number of calls: decided from the slowest warm-up. Why
-    the median of loops: on a host whose cores the ranks share, one loop's mean moves
-    2-5x from run to run at small sizes (a descheduled thread costs a loop milliseconds),
-    where nccl-tests' one loop on a GPU is steady."""
-    n, rank = dist.get_world_size(), dist.get_rank()
+    """Seconds per call of `op` at `nbytes` over `group` (None: the world; else every
+    rank calls over its own group, all groups at once): the mean over a loop of
+    back-to-back calls (the slowest rank's), the median over `trials` loops; and the
+    calls each loop times. Every rank runs the same number of calls: decided from the
+    slowest warm-up. Why the median of loops: on a host whose cores the ranks share,
+    one loop's mean moves 2-5x from run to run at small sizes (a descheduled thread
+    costs a loop milliseconds), where nccl-tests' one loop on a GPU is steady."""
+    n = dist.get_world_size(group)
     numel = max(n, nbytes // 4 // n * n)  # fp32, divisible by n
-    call = _call(op, numel, n, rank, device)
+    call = _call(op, numel, device, group)
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     call()  # warm-up: connections, buffers
     sync()
@@ -110,15 +126,54 @@ def time_op(
     return statistics.median(loops), iters
 
 
+def placements(world: int) -> list[tuple[int, int]]:
+    """(g, stride) of every group a mesh dimension of degree g can be in a world of
+    `world` ranks, 1 < g < world: g ranks `stride` apart, stride times g dividing the
+    world (the degrees inside it)."""
+    return [
+        (g, stride)
+        for g in range(2, world)
+        if world % g == 0
+        for stride in range(1, world // g + 1)
+        if (world // g) % stride == 0
+    ]
+
+
+def groups_of(world: int, g: int, stride: int) -> list[list[int]]:
+    """The world's ranks as groups of g, `stride` apart: blocks of g x stride ranks,
+    each holding `stride` groups."""
+    return [
+        [start + offset + i * stride for i in range(g)]
+        for start in range(0, world, g * stride)
+        for offset in range(stride)
+    ]
+
+
 def curves(sizes: list[int], device: torch.device, ops=CURVES) -> list[dict]:
-    """Every op at every size. At one rank (one GPU running NCCL's path) nothing moves
-    between devices: no send/recv pair exists, and a bus bandwidth has no meaning (NaN);
-    the times are what a call costs there."""
-    n = dist.get_world_size()
+    """Every op at every size over the world, then over each group placement
+    (`placements`) at 4 ranks and more. At one rank (one GPU running NCCL's path)
+    nothing moves between devices: no send/recv pair exists, and a bus bandwidth has
+    no meaning (NaN); the times are what a call costs there."""
+    world = dist.get_world_size()
+    rows = _curves(sizes, device, ops, None, world, 1)
+    for g, stride in placements(world) if world >= 4 else []:
+        mine = None
+        for ranks in groups_of(world, g, stride):  # every rank makes every group
+            group = dist.new_group(ranks)
+            if dist.get_rank() in ranks:
+                mine = group
+        rows += _curves(sizes, device, ops, mine, world, stride)
+    return rows
+
+
+def _curves(
+    sizes: list[int], device: torch.device, ops, group, world: int, stride: int
+) -> list[dict]:
+    n = dist.get_world_size(group)
     rows = []
     for op in ops if n > 1 else [op for op in ops if op != "send_recv"]:
         for nbytes in sizes:
-            t, iters = time_op(op, nbytes, device)
+            t, iters = time_op(op, nbytes, device, group=group)
             numel = max(n, nbytes // 4 // n * n)
             size = numel * 4
             algbw = size / t / 1e9
@@ -134,9 +189,20 @@ def curves(sizes: list[int], device: torch.device, ops=CURVES) -> list[dict]:
                     "iters": iters,
                     "dtype": "float32",
                     "trials": TRIALS,
+                    "world": world,
+                    "stride": stride,
                 }
             )
     return rows
+
+
+def whole(curves):
+    """The rows measured over the whole world (world = devices), which every figure and
+    the cells' model read; an earlier run's table, without `world`, is all of them."""
+    if "world" not in curves or curves.empty:
+        return curves
+    world = curves["world"].fillna(curves["devices"])
+    return curves[world == curves["devices"]].reset_index(drop=True)
 
 
 def write_csv(path: Path, rows: list[dict]) -> None:
