@@ -134,18 +134,19 @@ def test_ranks_in_one_kept_world_measure_as_each_in_its_own():
     """A search keeps one world and its meshes from rank to rank (fakerank.kept_worlds),
     so that DTensor's plans made for one rank serve the next: every figure is the one
     the rank measures in a world of its own, its collectives on its own mesh's
-    dimensions, through changes of world size and kind (a timed rank's world is
-    parabench's own group), and the world ends with the search."""
+    dimensions, through a mesh made once and used again, two meshes in one world whose
+    tp submeshes hold the same ranks (alike if named alike), and changes of world size
+    and kind (a timed rank's world is parabench's own group); the world ends with the
+    search."""
     fsdp_tp = fakerank.Probe(Layout(dp_shard=2, tp=2, sequence_parallel=True), micro=2)
+    sp_full = {"sequence_parallel": True, "ac": "full"}
     probes = [
         fsdp_tp,
-        # a 16-rank world's two meshes, whose tp submeshes hold the same ranks, so
-        # that one would compare equal to the other's, were they named alike
-        fakerank.Probe(Layout(dp_replicate=8, tp=2, sequence_parallel=True, ac="full")),
-        fakerank.Probe(Layout(dp_replicate=4, dp_shard=2, tp=2, sequence_parallel=True, ac="full")),
+        fsdp_tp.replace(micro=4),  # the same mesh, made once
+        fakerank.Probe(Layout(dp_replicate=8, tp=2, **sp_full)),
+        fakerank.Probe(Layout(dp_replicate=4, dp_shard=2, tp=2, **sp_full)),
         fakerank.Probe(Layout(dp_replicate=2, dp_shard=2, ac="full"), micro=2),
         fakerank.Probe(Layout(dp_replicate=2), micro=2),
-        fsdp_tp.replace(micro=4),
     ]
 
     def figures(m: fakerank.Measured) -> tuple:
@@ -161,17 +162,19 @@ def test_ranks_in_one_kept_world_measure_as_each_in_its_own():
     fakerank._MEASURED.clear()
     alone = [figures(fakerank.measure(LLAMA, p)) for p in probes]
     fakerank._MEASURED.clear()
-    kept = []
+    kept, meshes = [], []
     with fakerank.kept_worlds():
         for p in probes:
             kept.append(figures(fakerank.measure(LLAMA, p)))
             assert dist.is_initialized() and dist.get_world_size() == p.world
-            if p.layout.tp > 1:  # a rank of another kind in between: parabench's own group
-                phases = fakerank.timed(LLAMA, p.replace(micro=1), ranks=2)
-                assert all(0 < s < 60 for s in phases.values())
-        assert len(fakerank._KEPT.meshes) == 1  # the last world's one mesh, made once
+            meshes.append(len(fakerank._KEPT.meshes))
+        phases = fakerank.timed(LLAMA, fsdp_tp.replace(micro=1), ranks=2)  # another kind
+        assert all(0 < s < 60 for s in phases.values())
+        kept.append(figures(fakerank.measure(LLAMA, fsdp_tp.replace(micro=1))))
     assert not dist.is_initialized()
-    assert kept == alone
+    assert meshes == [1, 1, 1, 2, 1, 1]
+    fakerank._MEASURED.clear()
+    assert kept == [*alone, figures(fakerank.measure(LLAMA, fsdp_tp.replace(micro=1)))]
 
 
 @pytest.mark.parametrize(
@@ -829,6 +832,9 @@ def test_a_rank_timed_on_this_host_takes_the_rooflines_place():
     float8 = advise.predict(c, m, cpu, UNIT_FABRIC, 0, float8=True, timed=timed)
     assert float8["compute_s"] == pytest.approx(compute(2, 2.4 * 0.75, 0.6 * 0.6))
     assert float8["recompute_s"] == pytest.approx(2 * 0.6 * 0.6)
+    # timed alone (its ranks would not fit the host together): its turns priced, 2 a core
+    alone = advise.predict(c, m, cpu, UNIT_FABRIC, 0, timed=timed, timed_ranks=1)
+    assert alone["compute_s"] == pytest.approx(2 * compute(2, 2.4, 0.6))
     # priced, the same step is the roofline's: 8 + 2 + 0.5 s a micro-batch, 9 s optimizer
     assert advise.predict(c, m, cpu, UNIT_FABRIC, 0)["compute_s"] == pytest.approx(
         2 * (2 * 10.5 + 9)
@@ -888,6 +894,13 @@ def test_this_machine_times_each_rank_that_fits_and_says_so():
     assert all(v > 0 for v in phases.values())
     assert row["compute_s"] == pytest.approx(sum(phases.values()))
     assert 0 < row["roofline_compute_s"] != row["compute_s"]
+    # memory for one rank, not its 4 copies: timed alone, its turns priced (2 a core)
+    tight = dataclasses.replace(host, memory_bytes=2 * row["memory_bytes"])
+    search = advise.Search({"gpt": spec}, tight, UNIT_FABRIC, "fp32", "sgd", log=lambda _: None)
+    row = search.row(c, None, 4, 16)
+    assert row["fits"] and "alone" in row["compute_source"], row["compute_source"]
+    ((key, phases),) = search.times.items()
+    assert key[-1] == 1 and row["compute_s"] == pytest.approx(2 * sum(phases.values()))
     small = dataclasses.replace(host, memory_bytes=2**10)
     priced = advise.Search({"gpt": spec}, small, UNIT_FABRIC, "fp32", "sgd", log=lambda _: None)
     row = priced.row(c, None, 4, 16)

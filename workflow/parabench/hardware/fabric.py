@@ -173,7 +173,7 @@ class Fabric:
 
     name: str
     source: str  # where the numbers come from, for the report
-    tables: dict  # level or (op curve, n) -> BusbwTable
+    tables: dict  # level, (op curve, n), or a group's (op curve, n, world, stride) -> BusbwTable
     gpus_per_node: int = 0  # two-level profiles: ranks within a node
     # a two-level profile's latency: NCCL's model (nccl_time), or its tables' own
     nccl_latency: bool = False

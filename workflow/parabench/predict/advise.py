@@ -392,10 +392,13 @@ def predict(
     compiled: bool = False,
     float8: bool = False,
     timed: dict[str, float] | None = None,
+    timed_ranks: int = 0,
 ) -> dict:
     """The step of candidate `c` from its rank's measurement `m` (fakerank.Measured),
     run eager or compiled, with BF16 or Float8 linears (fakerank.Work.seconds); its
-    compute timed on this host where `timed` (fakerank.timed: `_timed_phases`)."""
+    compute timed on this host where `timed` (fakerank.timed: `_timed_phases`), beside
+    its other ranks (`timed_ranks` all of them, 0 too) or alone (1: its turns on a core
+    priced, as the roofline's are)."""
     from parabench.predict.fakerank import BACKWARD, FORWARD, OPTIMIZER, RECOMPUTE, STEP
 
     phases = _timed_phases(m.work, gpu, compiled, float8, timed) if timed else {}
@@ -418,8 +421,8 @@ def predict(
         micro_s = seconds(STEP) * turns + recompute
         return recompute, micro_s, a * micro_s + seconds(OPTIMIZER) * turns
 
-    # a timed rank took its turns, beside the others (fakerank.timed)
-    turns = 1.0 if phases else slicing
+    # a rank timed beside the others took its turns (fakerank.timed)
+    turns = 1.0 if phases and timed_ranks != 1 else slicing
     recompute, micro_s, compute = compute_of(seconds, turns)
     forward = seconds(FORWARD) * turns
     issued = collectives(m, lay, float8)
@@ -665,15 +668,24 @@ class Search:
         fits = gpus.fits(
             peak, self.gpu.memory_bytes, None if self.gpu.cores else reserved + overhead
         )
-        timed = self.timed(c, stage) if fits and self.times_model(c.model) else None
+        # timed beside its other ranks where all of them fit this host's memory; else
+        # alone, its turns on a core priced (predict)
+        ranks = c.gpus if gpus.fits(c.gpus * peak, self.gpu.memory_bytes) else 1
+        timed = self.timed(c, stage, ranks) if fits and self.times_model(c.model) else None
         source = f"priced: each op at {self.gpu.name}'s roofline (fakerank.Work.seconds)"
         if isinstance(timed, str):  # priced, as it was measured: the row says why
             source, timed = f"{source}; timing its rank here failed: {timed}", None
-        elif timed:
+        elif timed and ranks > 1:
             source = (
                 f"timed here: the rank's step on real tensors beside its {c.gpus - 1} "
                 f"other ranks on {self.gpu.cores} cores, as a cell's run, collectives "
                 "returning at once (fakerank.timed)"
+            )
+        elif timed:
+            source = (
+                "timed here: the rank's step on real tensors, collectives returning at "
+                f"once (fakerank.timed), alone: its {c.gpus} ranks would not fit this "
+                f"host's memory together (its turns on {self.gpu.cores} cores priced)"
             )
         row.update(
             status="ok",
@@ -687,7 +699,9 @@ class Search:
             },
             fits=fits,
             compute_source=source,
-            **predict(c, m, self.gpu, self.fabric, tokens, self.compiled, self.float8, timed),
+            **predict(
+                c, m, self.gpu, self.fabric, tokens, self.compiled, self.float8, timed, ranks
+            ),
         )
         row["binding"] = binding(row)
         return row
@@ -707,18 +721,18 @@ class Search:
             self.small[model] = flops / self.gpu.achievable_flops < TIMED_UP_TO_S
         return self.small[model]
 
-    def timed(self, c: Candidate, blocks: int | None) -> dict[str, float] | str:
-        """The rank of `c` timed on this host (fakerank.timed), once per rank shape; an
-        exception's text where it failed."""
+    def timed(self, c: Candidate, blocks: int | None, ranks: int) -> dict[str, float] | str:
+        """The rank of `c` timed on this host as one of `ranks` (fakerank.timed), once
+        per rank shape; an exception's text where it failed."""
         from parabench.predict import fakerank
 
         # a pipeline's stage: its blocks
         probe = _probe(c, self.precision, self.optimizer).replace(blocks=blocks or 0)
-        key = (c.model, probe, c.gpus)
+        key = (c.model, probe, ranks)
         if key not in self.times:
             t0 = time.perf_counter()
             try:
-                self.times[key] = fakerank.timed(self.specs[c.model], probe, c.gpus)
+                self.times[key] = fakerank.timed(self.specs[c.model], probe, ranks)
             except Exception as e:  # a row that says why, never a lost search
                 self.times[key] = _why(e)
             self.log(

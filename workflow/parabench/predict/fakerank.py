@@ -579,9 +579,10 @@ def _fake_world(size: int, local: bool = False) -> Iterator[None]:
     if _KEPT is not None:
         if _KEPT.world != (size, local):
             if _KEPT.world:
+                _KEPT.world, _KEPT.meshes = None, {}  # ended, whatever comes next
                 _end_world()
             _begin_world(size, local)
-            _KEPT.world, _KEPT.meshes = (size, local), {}
+            _KEPT.world = (size, local)
         yield
         return
     _begin_world(size, local)
@@ -643,7 +644,7 @@ def kept_worlds() -> Iterator[None]:
         yield
     finally:
         kept, _KEPT = _KEPT, None
-        if kept.world:
+        if kept.world and dist.is_initialized():
             _end_world()
 
 
@@ -796,13 +797,15 @@ def timed(spec: ModelSpec, probe: Probe, ranks: int = 1) -> dict[str, float]:
     `local`; rank_alone times a cell's own strategy).
 
     As `ranks` ranks of a cell run on this host: each process bound to its share of the
-    cores, with as many intra-op threads (runtime.share), the rank timed while the
-    others step beside it (forked copies of it), so that ranks sharing a core take
-    turns, and contend for its caches, as a cell's do. So each phase is the mean over
-    at least ALONE_STEPS steps and _WINDOW_S seconds, turns and all, where a rank
-    alone takes the median. What `this-machine` knows of a
-    rank's compute where the rank fits here (predict/advise.py: a CPU's cost per op is
-    mostly the host's work around it, which no roofline holds)."""
+    cores (runtime.share), the rank timed with as many intra-op threads while the
+    others step beside it (forked copies of it, one thread each: GNU OpenMP does not
+    survive a fork, and a copy with more than one core's share shares none with the
+    timed rank), so that ranks sharing a core take turns, and contend for its caches,
+    as a cell's do. So each phase is the mean over at least ALONE_STEPS steps and
+    _WINDOW_S seconds, turns and all, where a rank alone takes the median. What
+    `this-machine` knows of a rank's compute where the rank fits here
+    (predict/advise.py: a CPU's cost per op is mostly the host's work around it, which
+    no roofline holds)."""
     import multiprocessing
 
     from parabench.run.loop import ALONE_STEPS, ALONE_WARMUP
@@ -816,12 +819,15 @@ def timed(spec: ModelSpec, probe: Probe, ranks: int = 1) -> dict[str, float]:
         with rank(spec, probe, fake=False, local=True) as r:
             step(r)  # the lazy first step (FSDP's and the optimizer's), before forking
             for i in range(1, ranks):
-                others.append(fork.Process(target=_beside, args=(r, i, ranks, ready, stop)))
+                args = (r, runtime.share(i, ranks, cores), os.getpid(), ready, stop)
+                others.append(fork.Process(target=_beside, args=args, daemon=True))
                 others[-1].start()
             for _ in others:
                 if not ready.acquire(timeout=_BESIDE_START_S):
                     raise RuntimeError("fakerank.timed: a rank beside it did not start")
-            _share(0, ranks, cores)
+            mine = runtime.share(0, ranks, cores)
+            _bind(mine)
+            torch.set_num_threads(len(mine))
             for _ in range(ALONE_WARMUP):
                 step(r)
             start = time.perf_counter()
@@ -835,13 +841,17 @@ def timed(spec: ModelSpec, probe: Probe, ranks: int = 1) -> dict[str, float]:
                 step(r, lap=lap)
                 laps.append(got)
     finally:
-        stop.set()
-        for proc in others:
-            proc.join(timeout=_BESIDE_START_S)
-            if proc.is_alive():
-                proc.kill()
-        os.sched_setaffinity(0, cores)
-        torch.set_num_threads(before)
+        try:
+            stop.set()
+            for proc in others:
+                proc.join(timeout=_BESIDE_START_S)
+        finally:
+            for proc in others:
+                if proc.is_alive():
+                    proc.kill()
+                    proc.join()
+            _bind(cores)
+            torch.set_num_threads(before)
     return {p: statistics.fmean(t[p] for t in laps) for p in (FORWARD, BACKWARD, OPTIMIZER)}
 
 
@@ -853,19 +863,21 @@ _BESIDE_START_S = 60.0
 _WINDOW_S = 0.1
 
 
-def _share(local_rank: int, ranks: int, cores: list[int]) -> None:
-    """Bind this process to a cell's rank's share of `cores`, with as many threads."""
-    mine = runtime.share(local_rank, ranks, cores)
-    os.sched_setaffinity(0, mine)
-    torch.set_num_threads(len(mine))
+def _bind(cores: list[int]) -> None:
+    """Bind every thread of this process to `cores`: sched_setaffinity(0) binds the
+    calling thread only, and the intra-op threads already started would keep theirs."""
+    for tid in os.listdir("/proc/self/task"):
+        with contextlib.suppress(ProcessLookupError):  # a thread that has ended since
+            os.sched_setaffinity(int(tid), cores)
 
 
-def _beside(r: Rank, local_rank: int, ranks: int, ready, stop) -> None:
-    """A forked copy of the timed rank, stepping as rank `local_rank` of `ranks` until
-    told to stop (`timed`)."""
-    _share(local_rank, ranks, sorted(os.sched_getaffinity(0)))
+def _beside(r: Rank, cores: list[int], parent: int, ready, stop) -> None:
+    """A forked copy of the timed rank, bound to `cores` with one thread, stepping until
+    told to stop or its parent is gone (`timed`)."""
+    os.sched_setaffinity(0, cores)
+    torch.set_num_threads(1)
     ready.release()  # its first step was the timed rank's, before the fork
-    while not stop.is_set():
+    while not stop.is_set() and os.getppid() == parent:
         step(r)
 
 

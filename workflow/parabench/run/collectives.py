@@ -15,8 +15,8 @@ really sends.
 
 A layout's mesh dimension is a group of fewer ranks than the world, every group of it
 at once, and where it sits matters (on CPU, a cell's 4 ranks on 2 cores put a TP
-pair on one core, which a benchmark of 2 ranks on 2 cores never sees). So at 4 ranks
-and more, each group size g that divides the world is also timed as each mesh
+pair on one core, which a benchmark of 2 ranks on 2 cores never sees). So on CPU at 4
+ranks and more, each group size g that divides the world is also timed as each mesh
 dimension of degree g places it: g ranks `stride` apart (1: consecutive, a mesh's
 innermost dimension), the world's W / g groups calling together; their rows say
 `world` W and `stride` (the world's own: world = devices, stride 1).
@@ -150,13 +150,15 @@ def groups_of(world: int, g: int, stride: int) -> list[list[int]]:
 
 
 def curves(sizes: list[int], device: torch.device, ops=CURVES) -> list[dict]:
-    """Every op at every size over the world, then over each group placement
-    (`placements`) at 4 ranks and more. At one rank (one GPU running NCCL's path)
+    """Every op at every size over the world, then, on CPU at 4 ranks and more, over
+    each group placement (`placements`). At one rank (one GPU running NCCL's path)
     nothing moves between devices: no send/recv pair exists, and a bus bandwidth has
     no meaning (NaN); the times are what a call costs there."""
     world = dist.get_world_size()
     rows = _curves(sizes, device, ops, None, world, 1)
-    for g, stride in placements(world) if world >= 4 else []:
+    # on CPU only: where ranks share cores, a group's placement decides a small
+    # collective's cost; a GPU node's NVSwitch links every pair alike
+    for g, stride in placements(world) if world >= 4 and device.type == "cpu" else []:
         mine = None
         for ranks in groups_of(world, g, stride):  # every rank makes every group
             group = dist.new_group(ranks)

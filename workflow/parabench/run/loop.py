@@ -47,8 +47,9 @@ WARMUP, TIMED, PROFILED = "warmup", "timed", "profiled"
 
 
 PER_SESSION = 3  # profiled steps recorded back to back in one profiler session
-# a rank timed alone, its collectives returning at once (predict/rank_alone.py, and
-# fakerank.timed): the median of ALONE_STEPS after ALONE_WARMUP
+# a rank timed alone, its collectives returning at once (predict/rank_alone.py): the
+# median of ALONE_STEPS after ALONE_WARMUP; fakerank.timed, beside its layout's other
+# ranks: the mean of at least ALONE_STEPS after ALONE_WARMUP
 ALONE_STEPS, ALONE_WARMUP = 6, 2
 
 
