@@ -392,13 +392,13 @@ def predict(
     compiled: bool = False,
     float8: bool = False,
     timed: dict[str, float] | None = None,
-    timed_ranks: int = 0,
+    timed_alone: bool = False,
 ) -> dict:
     """The step of candidate `c` from its rank's measurement `m` (fakerank.Measured),
     run eager or compiled, with BF16 or Float8 linears (fakerank.Work.seconds); its
     compute timed on this host where `timed` (fakerank.timed: `_timed_phases`), beside
-    its other ranks (`timed_ranks` all of them, 0 too) or alone (1: its turns on a core
-    priced, as the roofline's are)."""
+    its other ranks, or `timed_alone` (its turns on a core then priced, as the
+    roofline's are)."""
     from parabench.predict.fakerank import BACKWARD, FORWARD, OPTIMIZER, RECOMPUTE, STEP
 
     phases = _timed_phases(m.work, gpu, compiled, float8, timed) if timed else {}
@@ -422,7 +422,7 @@ def predict(
         return recompute, micro_s, a * micro_s + seconds(OPTIMIZER) * turns
 
     # a rank timed beside the others took its turns (fakerank.timed)
-    turns = 1.0 if phases and timed_ranks != 1 else slicing
+    turns = 1.0 if phases and not timed_alone else slicing
     recompute, micro_s, compute = compute_of(seconds, turns)
     forward = seconds(FORWARD) * turns
     issued = collectives(m, lay, float8)
@@ -700,7 +700,7 @@ class Search:
             fits=fits,
             compute_source=source,
             **predict(
-                c, m, self.gpu, self.fabric, tokens, self.compiled, self.float8, timed, ranks
+                c, m, self.gpu, self.fabric, tokens, self.compiled, self.float8, timed, ranks == 1
             ),
         )
         row["binding"] = binding(row)

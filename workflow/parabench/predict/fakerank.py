@@ -815,7 +815,10 @@ def timed(spec: ModelSpec, probe: Probe, ranks: int = 1) -> dict[str, float]:
     laps: list[dict[str, float]] = []
     fork = multiprocessing.get_context("fork")
     ready, stop, others = fork.Semaphore(0), fork.Event(), []
+    mine = runtime.share(0, ranks, cores)
     try:
+        # its threads from the start, as a cell's: none left spinning from a wider pool
+        torch.set_num_threads(len(mine))
         with rank(spec, probe, fake=False, local=True) as r:
             step(r)  # the lazy first step (FSDP's and the optimizer's), before forking
             for i in range(1, ranks):
@@ -825,9 +828,7 @@ def timed(spec: ModelSpec, probe: Probe, ranks: int = 1) -> dict[str, float]:
             for _ in others:
                 if not ready.acquire(timeout=_BESIDE_START_S):
                     raise RuntimeError("fakerank.timed: a rank beside it did not start")
-            mine = runtime.share(0, ranks, cores)
             _bind(mine)
-            torch.set_num_threads(len(mine))
             for _ in range(ALONE_WARMUP):
                 step(r)
             start = time.perf_counter()
