@@ -832,9 +832,6 @@ def test_a_rank_timed_on_this_host_takes_the_rooflines_place():
     float8 = advise.predict(c, m, cpu, UNIT_FABRIC, 0, float8=True, timed=timed)
     assert float8["compute_s"] == pytest.approx(compute(2, 2.4 * 0.75, 0.6 * 0.6))
     assert float8["recompute_s"] == pytest.approx(2 * 0.6 * 0.6)
-    # timed alone (its ranks would not fit the host together): its turns priced, 2 a core
-    alone = advise.predict(c, m, cpu, UNIT_FABRIC, 0, timed=timed, timed_alone=True)
-    assert alone["compute_s"] == pytest.approx(2 * compute(2, 2.4, 0.6))
     # priced, the same step is the roofline's: 8 + 2 + 0.5 s a micro-batch, 9 s optimizer
     assert advise.predict(c, m, cpu, UNIT_FABRIC, 0)["compute_s"] == pytest.approx(
         2 * (2 * 10.5 + 9)
@@ -916,13 +913,13 @@ def test_this_machine_times_each_rank_that_fits_and_says_so():
     assert all(v > 0 for v in phases.values())
     assert row["compute_s"] == pytest.approx(sum(phases.values()))
     assert 0 < row["roofline_compute_s"] != row["compute_s"]
-    # memory for one rank, not its 4 copies: timed alone, its turns priced (2 a core)
+    assert "its 4 ranks together in this host's memory" in row["memory_source"]
+    # the host holds the layout's 4 ranks, not one: room for 2 of them does not fit it,
+    # and nothing is timed
     tight = dataclasses.replace(host, memory_bytes=2 * row["memory_bytes"])
     search = advise.Search({"gpt": spec}, tight, UNIT_FABRIC, "fp32", "sgd", log=lambda _: None)
     row = search.row(c, None, 4, 16)
-    assert row["fits"] and "alone" in row["compute_source"], row["compute_source"]
-    ((key, phases),) = search.times.items()
-    assert key[-1] == 1 and row["compute_s"] == pytest.approx(2 * sum(phases.values()))
+    assert row["fits"] is False and row["binding"] == "memory" and not search.times, row
     small = dataclasses.replace(host, memory_bytes=2**10)
     priced = advise.Search({"gpt": spec}, small, UNIT_FABRIC, "fp32", "sgd", log=lambda _: None)
     row = priced.row(c, None, 4, 16)

@@ -392,13 +392,11 @@ def predict(
     compiled: bool = False,
     float8: bool = False,
     timed: dict[str, float] | None = None,
-    timed_alone: bool = False,
 ) -> dict:
     """The step of candidate `c` from its rank's measurement `m` (fakerank.Measured),
     run eager or compiled, with BF16 or Float8 linears (fakerank.Work.seconds); its
-    compute timed on this host where `timed` (fakerank.timed: `_timed_phases`), beside
-    its other ranks, or `timed_alone` (its turns on a core then priced, as the
-    roofline's are)."""
+    compute timed on this host where `timed` (fakerank.timed, beside its other ranks:
+    `_timed_phases`)."""
     from parabench.predict.fakerank import BACKWARD, FORWARD, OPTIMIZER, RECOMPUTE, STEP
 
     phases = _timed_phases(m.work, gpu, compiled, float8, timed) if timed else {}
@@ -422,7 +420,7 @@ def predict(
         return recompute, micro_s, a * micro_s + seconds(OPTIMIZER) * turns
 
     # a rank timed beside the others took its turns (fakerank.timed)
-    turns = 1.0 if phases and not timed_alone else slicing
+    turns = 1.0 if phases else slicing
     recompute, micro_s, compute = compute_of(seconds, turns)
     forward = seconds(FORWARD) * turns
     issued = collectives(m, lay, float8)
@@ -665,27 +663,24 @@ class Search:
         # a GPU also holds its CUDA context and NCCL's buffers (a CPU profile: none)
         groups = [d for d in c.layout.degrees.values() if d > 1]
         overhead = 0 if self.gpu.cores else gpus.overhead(groups)
+        # A CPU profile is one host, and every rank of the layout runs on it, as its
+        # cells' do and as its ranks are timed and their turns priced: its memory holds
+        # all of them (a GPU's, one rank's)
+        ranks = c.gpus if self.gpu.cores else 1
         fits = gpus.fits(
-            peak, self.gpu.memory_bytes, None if self.gpu.cores else reserved + overhead
+            ranks * peak, self.gpu.memory_bytes, None if self.gpu.cores else reserved + overhead
         )
-        # timed beside its other ranks where all of them fit this host's memory; else
-        # alone, its turns on a core priced (predict)
-        ranks = c.gpus if gpus.fits(c.gpus * peak, self.gpu.memory_bytes) else 1
-        timed = self.timed(c, stage, ranks) if fits and self.times_model(c.model) else None
+        if ranks > 1:
+            how += f"; fits: its {ranks} ranks together in this host's memory"
+        timed = self.timed(c, stage, c.gpus) if fits and self.times_model(c.model) else None
         source = f"priced: each op at {self.gpu.name}'s roofline (fakerank.Work.seconds)"
         if isinstance(timed, str):  # priced, as it was measured: the row says why
             source, timed = f"{source}; timing its rank here failed: {timed}", None
-        elif timed and ranks > 1:
+        elif timed:
             source = (
                 f"timed here: the rank's step on real tensors beside its {c.gpus - 1} "
                 f"other ranks on {self.gpu.cores} cores, as a cell's run, collectives "
                 "returning at once (fakerank.timed)"
-            )
-        elif timed:
-            source = (
-                "timed here: the rank's step on real tensors, collectives returning at "
-                f"once (fakerank.timed), alone: its {c.gpus} ranks would not fit this "
-                f"host's memory together (its turns on {self.gpu.cores} cores priced)"
             )
         row.update(
             status="ok",
@@ -699,9 +694,7 @@ class Search:
             },
             fits=fits,
             compute_source=source,
-            **predict(
-                c, m, self.gpu, self.fabric, tokens, self.compiled, self.float8, timed, ranks == 1
-            ),
+            **predict(c, m, self.gpu, self.fabric, tokens, self.compiled, self.float8, timed),
         )
         row["binding"] = binding(row)
         return row
