@@ -105,6 +105,7 @@ bench: $(STAMP)
 	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python benchmarks/sharded_overhead.py
 	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python benchmarks/collectives_overhead.py
 	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python benchmarks/launch_overhead.py
+	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python benchmarks/timed_turns.py
 
 # One mutation-testing pass over the core (issue 47; not in CI): docs/design/mutation.md.
 # ARGS: mutmut's names of some mutants to run again, e.g. ARGS='parabench.analyze.stats.x_verdict__*'
