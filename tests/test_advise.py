@@ -22,6 +22,7 @@ import math
 import re
 import subprocess
 import sys
+import time
 
 import pandas as pd
 import pytest
@@ -717,6 +718,41 @@ def test_a_step_is_priced_from_its_ranks_work_and_the_fabric():
     assert math.isnan(advise.predict(c, m, UNIT_GPU, UNIT_FABRIC, 0)["tokens_per_s_per_gpu"])
 
 
+def test_a_layouts_tp_is_priced_on_the_curve_of_its_own_groups():
+    """predict hands each dimension's collectives to the fabric with where its group
+    sits in the layout (layout_comm: span and world), so a tp pair inside a world of 4
+    is priced on the curve the benchmark measured for pairs placed so (here 4 ms a
+    call), not the 2-rank world's (1 ms); tp on its own is that world."""
+    import pandas as pd
+
+    from parabench.hardware import fabric
+
+    def rows(seconds: float, world: int, stride: int) -> list[dict]:
+        return [
+            {
+                "op": "all_reduce",
+                "devices": 2,
+                "bytes": b,
+                "time_s": seconds,
+                "busbw_GBps": b / seconds / 1e9,  # all-reduce's bus factor at 2 ranks: 1
+                "backend": "gloo",
+                "world": world,
+                "stride": stride,
+            }
+            for b in (4096, 65536)
+        ]
+
+    curves = fabric.from_curves(
+        pd.DataFrame(rows(1e-3, 2, 1) + rows(4e-3, 4, 1) + rows(2e-3, 4, 2))
+    )
+    comm = {"tp": {"all_reduce": {"count": 3, "bytes": 65536}}}
+    m = _measured(_work(2.0, 1.0, comm=comm))
+    inside = advise.predict(_candidate(dp_shard=2, tp=2), m, UNIT_GPU, curves, 0)
+    assert inside["comm_s"] == pytest.approx(3 * 4e-3)
+    alone = advise.predict(_candidate(tp=2), m, UNIT_GPU, curves, 0)
+    assert alone["comm_s"] == pytest.approx(3 * 1e-3)
+
+
 def test_data_parallel_communication_runs_under_compute_as_torch_schedules_it():
     """FSDP ZeRO-3 over 2 GPUs of a node, 4 units: forward 4 s, backward 8 s; each
     gather and each reduce-scatter 4 GB (2 GB on the bus at n=2: 0.5 s at 4 GB/s), 8
@@ -874,7 +910,7 @@ def test_a_rank_is_timed_taking_turns_with_the_ranks_beside_it():
         mine, beside = time.process_time() - before[1], cpu_beside() - before[2]
         assert os.sched_getaffinity(0) == one
     finally:
-        os.sched_setaffinity(0, cores)
+        fakerank._bind(sorted(cores))  # every thread's: `timed` bound them all to the one
     assert all(v > 0 for v in phases.values())
     # The copy, forked after the timed rank's first step, steps until the timed steps
     # end: most of the timed rank's CPU time. The two share the one core: together no
@@ -883,6 +919,34 @@ def test_a_rank_is_timed_taking_turns_with_the_ranks_beside_it():
     assert mine + beside < 1.1 * wall, (mine, beside, wall)
     assert not multiprocessing.active_children()
     assert torch.get_num_threads() == threads
+
+
+def test_a_rank_beside_the_timed_one_that_dies_fails_the_timing(monkeypatch):
+    """A copy stepping beside the timed rank that dies (here at its second step) makes
+    `timed` fail, at once and saying so, rather than time the rank beside fewer ranks
+    than its row says; nothing is left running."""
+    import multiprocessing
+    import os
+
+    parent, step = os.getpid(), fakerank.step
+    count = [0]
+
+    def dying(r, *args, **kwargs):
+        if os.getpid() != parent:  # in the forked copy only
+            count[0] += 1
+            if count[0] == 2:
+                os._exit(3)
+        return step(r, *args, **kwargs)
+
+    monkeypatch.setattr(fakerank, "step", dying)
+    spec = ModelSpec.of(**GPT)
+    probe = fakerank.Probe(Layout(dp_replicate=2), micro=64, precision="fp32", optimizer="sgd")
+    cores, t0 = os.sched_getaffinity(0), time.monotonic()
+    with pytest.raises(RuntimeError, match=r"beside it (died|ended).*\b3\b"):
+        fakerank.timed(spec, probe, ranks=2)
+    assert time.monotonic() - t0 < 30  # not the minute a copy may take to start
+    assert not multiprocessing.active_children()
+    assert os.sched_getaffinity(0) == cores
 
 
 def test_this_machine_times_each_rank_that_fits_and_says_so():
@@ -920,6 +984,11 @@ def test_this_machine_times_each_rank_that_fits_and_says_so():
     search = advise.Search({"gpt": spec}, tight, UNIT_FABRIC, "fp32", "sgd", log=lambda _: None)
     row = search.row(c, None, 4, 16)
     assert row["fits"] is False and row["binding"] == "memory" and not search.times, row
+    # each rank is a process of its own: with a quarter of the host each, 4 do not fit
+    heavy = dataclasses.replace(host, process_bytes=host.memory_bytes / 4)
+    search = advise.Search({"gpt": spec}, heavy, UNIT_FABRIC, "fp32", "sgd", log=lambda _: None)
+    row = search.row(c, None, 4, 16)
+    assert row["fits"] is False and not search.times, row
     small = dataclasses.replace(host, memory_bytes=2**10)
     priced = advise.Search({"gpt": spec}, small, UNIT_FABRIC, "fp32", "sgd", log=lambda _: None)
     row = priced.row(c, None, 4, 16)

@@ -392,6 +392,8 @@ def test_this_machine_prices_a_cpu_run_on_the_cpu_where_torch_sees_a_gpu(cuda_ho
     assert [g[:2] for g in cuda_host] == [("cpu", "fp32")]
     assert got.achievable_flops == got.peak_flops == CPU_GEMM
     assert got.cores == envinfo.usable_cores() > 0
+    # each rank a process: this one's resident memory, torch imported
+    assert 2**26 < got.process_bytes == pytest.approx(envinfo.resident_memory(), rel=0.5)
     assert got.source.startswith("this host's CPU")
     # device auto resolves as the cells resolve it: here, to the GPU, whose ranks each
     # have one (no cores shared)

@@ -129,6 +129,17 @@ def available_memory() -> int | None:
     return min(found) if found else None
 
 
+def resident_memory() -> int | None:
+    """Bytes this process holds in memory (VmRSS, Linux), or None where unknown."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        pass
+    return None
+
+
 def base() -> dict:
     """What is known without importing torch."""
     return {

@@ -58,6 +58,9 @@ class GPU:
     op_floor_s: float = 3e-6  # the shortest a kernel runs (launch and tail)
     cores: int = 0  # CPU profiles: the cores its ranks share (0: a device each)
     fp8_flops: float = 0.0  # FLOP/s a large FP8 GEMM reaches (0: no FP8 tensor cores)
+    # CPU profiles: what each rank's process holds besides its tensors (its interpreter
+    # and torch), where all of a layout's ranks share the host's memory
+    process_bytes: float = 0.0
 
     def op_time(
         self, flops: float, nbytes: float, attention: bool = False, fp8: bool = False

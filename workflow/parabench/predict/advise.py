@@ -665,13 +665,20 @@ class Search:
         overhead = 0 if self.gpu.cores else gpus.overhead(groups)
         # A CPU profile is one host, and every rank of the layout runs on it, as its
         # cells' do and as its ranks are timed and their turns priced: its memory holds
-        # all of them (a GPU's, one rank's)
+        # all of them, each in a process of its own (a GPU's, one rank). A pipeline's
+        # ranks are each counted at its first stage's peak.
         ranks = c.gpus if self.gpu.cores else 1
+        process = self.gpu.process_bytes if self.gpu.cores else 0.0
         fits = gpus.fits(
-            ranks * peak, self.gpu.memory_bytes, None if self.gpu.cores else reserved + overhead
+            ranks * (peak + process),
+            self.gpu.memory_bytes,
+            None if self.gpu.cores else reserved + overhead,
         )
-        if ranks > 1:
-            how += f"; fits: its {ranks} ranks together in this host's memory"
+        if self.gpu.cores:
+            how += (
+                f"; fits: its {ranks} ranks together in this host's memory, each in a "
+                f"process of {process / 2**30:.2f} GiB besides"
+            )
         timed = self.timed(c, stage, c.gpus) if fits and self.times_model(c.model) else None
         source = f"priced: each op at {self.gpu.name}'s roofline (fakerank.Work.seconds)"
         if isinstance(timed, str):  # priced, as it was measured: the row says why

@@ -814,7 +814,10 @@ def timed(spec: ModelSpec, probe: Probe, ranks: int = 1) -> dict[str, float]:
     before = torch.get_num_threads()
     laps: list[dict[str, float]] = []
     fork = multiprocessing.get_context("fork")
-    ready, stop, others = fork.Semaphore(0), fork.Event(), []
+    stop, others = fork.Event(), []
+    # each copy's steps, counted where the timed rank reads them: every copy must step
+    # while it is timed, or it was timed beside fewer ranks than it says
+    steps = fork.Array("q", max(ranks - 1, 1), lock=False)
     mine = runtime.share(0, ranks, cores)
     try:
         # its threads from the start, as a cell's: none left spinning from a wider pool
@@ -822,15 +825,14 @@ def timed(spec: ModelSpec, probe: Probe, ranks: int = 1) -> dict[str, float]:
         with rank(spec, probe, fake=False, local=True) as r:
             step(r)  # the lazy first step (FSDP's and the optimizer's), before forking
             for i in range(1, ranks):
-                args = (r, runtime.share(i, ranks, cores), os.getpid(), ready, stop)
+                args = (r, runtime.share(i, ranks, cores), os.getpid(), steps, i - 1, stop)
                 others.append(fork.Process(target=_beside, args=args, daemon=True))
                 others[-1].start()
-            for _ in others:
-                if not ready.acquire(timeout=_BESIDE_START_S):
-                    raise RuntimeError("fakerank.timed: a rank beside it did not start")
+            _stepping(others, steps, _BESIDE_START_S)
             _bind(mine)
             for _ in range(ALONE_WARMUP):
                 step(r)
+            began = steps[: len(others)]
             start = time.perf_counter()
             while len(laps) < ALONE_STEPS or time.perf_counter() - start < _WINDOW_S:
                 got, t0 = {}, [time.perf_counter()]
@@ -841,11 +843,14 @@ def timed(spec: ModelSpec, probe: Probe, ranks: int = 1) -> dict[str, float]:
 
                 step(r, lap=lap)
                 laps.append(got)
+            # each copy stepped at least once more since its timed steps began
+            _stepping(others, steps, _BESIDE_START_S, began)
     finally:
         try:
             stop.set()
+            deadline = time.monotonic() + _BESIDE_START_S  # for all of them, not each
             for proc in others:
-                proc.join(timeout=_BESIDE_START_S)
+                proc.join(timeout=max(deadline - time.monotonic(), 0.0))
         finally:
             for proc in others:
                 if proc.is_alive():
@@ -853,7 +858,22 @@ def timed(spec: ModelSpec, probe: Probe, ranks: int = 1) -> dict[str, float]:
                     proc.join()
             _bind(cores)
             torch.set_num_threads(before)
+    if failed := [p.exitcode for p in others if p.exitcode != 0]:
+        raise RuntimeError(f"fakerank.timed: ranks beside it ended with exit codes {failed}")
     return {p: statistics.fmean(t[p] for t in laps) for p in (FORWARD, BACKWARD, OPTIMIZER)}
+
+
+def _stepping(others: list, steps, timeout_s: float, since: list[int] | None = None) -> None:
+    """Wait until each copy in `others` has stepped (its count past `since`'s, or past
+    0: its first step begun), failing at once where one has died."""
+    since = since or [0] * len(others)
+    deadline = time.monotonic() + timeout_s
+    while any(steps[i] <= since[i] for i in range(len(others))):
+        if dead := [p.exitcode for p in others if p.exitcode is not None]:
+            raise RuntimeError(f"fakerank.timed: a rank beside it died (exit codes {dead})")
+        if time.monotonic() > deadline:
+            raise RuntimeError("fakerank.timed: a rank beside it did not step")
+        time.sleep(0.001)
 
 
 # Seconds a forked rank may take to start, or to stop.
@@ -872,13 +892,13 @@ def _bind(cores: list[int]) -> None:
             os.sched_setaffinity(int(tid), cores)
 
 
-def _beside(r: Rank, cores: list[int], parent: int, ready, stop) -> None:
+def _beside(r: Rank, cores: list[int], parent: int, steps, i: int, stop) -> None:
     """A forked copy of the timed rank, bound to `cores` with one thread, stepping until
-    told to stop or its parent is gone (`timed`)."""
+    told to stop or its parent is gone, counting its steps begun in steps[i] (`timed`)."""
     os.sched_setaffinity(0, cores)
     torch.set_num_threads(1)
-    ready.release()  # its first step was the timed rank's, before the fork
     while not stop.is_set() and os.getppid() == parent:
+        steps[i] += 1
         step(r)
 
 
@@ -1442,6 +1462,9 @@ def this_machine(device: str, precision: str, size: int = 512) -> GPU:
     finally:
         torch.set_num_threads(threads)
     cores = envinfo.usable_cores()
+    # a rank's process holds about what this one does, torch imported (this one holds
+    # more: what advise imports beside, so the host is not taken as roomier than it is)
+    process = envinfo.resident_memory() or 0
     return GPU(
         gpus.THIS_MACHINE,
         gemm,
@@ -1451,9 +1474,11 @@ def this_machine(device: str, precision: str, size: int = 512) -> GPU:
         f"this host's CPU, measured on one thread: {precision} GEMM {size}x{size}x{size} "
         f"{gemm / 1e9:.1f} GFLOP/s, copy {copy / 1e9:.1f} GB/s, {floor * 1e6:.1f} us per "
         f"op of a small model's training step (autograd and the optimizer included); "
-        f"{cores} cores shared by the ranks",
+        f"{cores} cores shared by the ranks, each rank's process {process / 2**30:.2f} GiB "
+        "besides its tensors (this one's resident memory)",
         op_floor_s=floor,
         cores=cores,
+        process_bytes=float(process),
     )
 
 

@@ -10,7 +10,8 @@ DDP buckets its gradients. For that rank:
   between steps (from the tensors) and its peak in a step (the profiler's allocator
   total on CPU, the allocator's high-water mark on CUDA), so "does it fit" is an
   observation, with a tenth of the device kept free for what a GPU holds beyond it
-  (`gpus.fits`, as advise decides it);
+  (`gpus.fits`; advise decides more closely: a GPU's reserve and context modelled, a
+  CPU host holding every rank of a layout);
 - its compute step, measured: its share of the batch (weak scaling: the per-device
   batch, whatever N; strong: the global batch / N), no communication;
 - the collectives it issues per step and their bytes, counted by the group itself in
