@@ -245,7 +245,9 @@ def from_curves(curves: pd.DataFrame, label: str = "this machine") -> Fabric:
     if not tables:
         raise FabricError("collectives.csv has no curve with a positive bus bandwidth")
     backend = ", ".join(sorted({str(b) for b in curves["backend"]})) if "backend" in curves else "?"
-    counts = sorted({int(n) for n in curves["devices"]})
+    # the whole worlds measured (a group's pairs inside a world of 4 are not a world of 2)
+    whole = curves[curves["world"] == curves["devices"]]
+    counts = sorted({int(n) for n in (whole if not whole.empty else curves)["devices"]})
     groups = any(len(k) == 4 for k in tables)
     return Fabric(
         "curves",
