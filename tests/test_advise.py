@@ -1180,6 +1180,33 @@ def test_an_op_costs_its_roofline_bound_and_at_least_the_floor():
 LONG = ModelSpec.of("hf", **{**LLAMA.size_dict(), "seq_len": 1024})
 
 
+def test_fsdps_copies_around_its_collectives_are_counted_and_never_fused():
+    """FSDP2 copies each all-gather's buffer into the parameters (read and written:
+    fsdp::split_with_sizes_copy) and the gradients into each reduce-scatter's input
+    (fsdp::chunk_cat): custom ops that return nothing, their outputs `out` arguments.
+    Each is counted as what it moves, the gathered and reduced buffers' bytes exactly
+    those of the collectives, the gradients read beside; in FSDP's hooks, they run as
+    their own kernels whether the blocks are compiled or not."""
+    with fakerank.kept_worlds():
+        m = fakerank.measure(LONG, fakerank.Probe(Layout(dp_shard=2), micro=2))
+    ops = m.work.ops
+
+    def moved(kind: str) -> float:
+        return sum(b * n for (_, k, _, b), n in ops.items() if k == kind)
+
+    dp = m.work.comm_by_dim["dp_shard"]
+    assert moved(fakerank.BUFFER) == 2 * dp["all_gather"]["bytes"] + dp["reduce_scatter"]["bytes"]
+    # bf16 gradients read into the reduction's fp32 buffer (FSDP2's mixed precision)
+    assert moved(fakerank.GRADS) == dp["reduce_scatter"]["bytes"] / 2
+    copies = fakerank.Work(
+        collections.Counter({k: n for k, n in ops.items() if k[1] in ("buffer", "grads")})
+    )
+    gpu = gpus.PROFILES["h100"]
+    eager = copies.seconds(gpu)
+    assert eager > 0 and copies.seconds(gpu, compiled=True) == eager
+    assert copies.op_count() == dp["all_gather"]["count"] + dp["reduce_scatter"]["count"]
+
+
 @pytest.mark.parametrize(
     "layout, precision",
     [

@@ -199,6 +199,17 @@ MEMORY = "memory"
 # (at_shard); not the whole buffer, an output of the op that it leaves to the gather.
 CHUNK = "chunk"
 _COPY_IN = "fsdp::all_gather_copy_in"
+# FSDP2's copies between its collectives' buffers and the unsharded tensors, in its hooks
+# (which compile leaves eager): after each all-gather, the gathered buffer into the
+# parameters' own (fsdp::split_with_sizes_copy: both sides padded to dp_shard's
+# multiple); before each reduce-scatter, the gradients into its input buffer
+# (fsdp::chunk_cat: the gradients as they are, the buffer padded). BUFFER: the kernel
+# and its padded side, which grows with FSDP's padded total (at_shard); GRADS: the
+# same kernel's read of the gradients, whatever dp_shard (its bytes only: no kernel of
+# its own). Their outputs are `out` arguments (the ops return nothing).
+BUFFER = "buffer"
+GRADS = "grads"
+_BUFFERED = {"fsdp::split_with_sizes_copy": False, "fsdp::chunk_cat": True}  # reads grads
 
 
 # What torch.compile and Float8 would change, recorded beside the eager ops of the same
@@ -240,7 +251,11 @@ class Work:
 
     def op_count(self, phase: str | None = None) -> float:
         """The eager step's kernels."""
-        return sum(n for (p, kind, *_), n in self.ops.items() if _in(p, phase) and _runs(kind, p))
+        return sum(
+            n
+            for (p, kind, *_), n in self.ops.items()
+            if _in(p, phase) and _runs(kind, p) and kind != GRADS
+        )
 
     @property
     def recompute_flops(self) -> float:
@@ -252,7 +267,12 @@ class Work:
         """Its ops' time on `gpu`, each at its own roofline bound (GPU.op_time): eager,
         or as torch.compile fuses its memory-bound ops, with or without Float8 linears."""
         return sum(
-            n * gpu.op_time(flops, nbytes, kind == ATTENTION, float8 and kind == LINEAR)
+            n
+            * (
+                nbytes / gpu.bandwidth  # a part of a BUFFER kernel: its bytes, no floor
+                if kind == GRADS
+                else gpu.op_time(flops, nbytes, kind == ATTENTION, float8 and kind == LINEAR)
+            )
             for (p, kind, flops, nbytes), n in self.ops.items()
             if _in(p, phase) and _runs(kind, p, compiled, float8)
         )
@@ -329,6 +349,15 @@ class Counting(TorchDispatchMode):
             self.end_run()
             chunks = sum(_nbytes(_local(t)) for t in _tensors(args[0]))  # its inputs
             self.work.ops[(self._phase(), CHUNK, 0, 2 * chunks)] += 1
+            return out
+        if (grads := _BUFFERED.get(name)) is not None:
+            self.end_run()
+            read = sum(_nbytes(_local(t)) for t in _tensors(args))
+            written = sum(_nbytes(_local(t)) for t in _tensors(kwargs.get("out")))
+            phase = self._phase()
+            self.work.ops[(phase, BUFFER, 0, written + (0 if grads else read))] += 1
+            if grads:
+                self.work.ops[(phase, GRADS, 0, read)] += 1
             return out
         outs = _tensors(out) if moves else []
         if not outs:
@@ -1218,7 +1247,8 @@ def at_shard(m: Measured, dp_shard: int, replicas: int = 1) -> Measured:
       dp_replicate dimension), in place: the same memory and ops (tests/test_advise.py).
 
     - work: the optimizer's ops, and FSDP's copies of the chunks into its all-gathers'
-      buffers (CHUNK), scale with the elements of the chunks;
+      buffers (CHUNK), scale with the elements of the chunks; its copies out of the
+      gathered buffers and into the reduced ones (BUFFER) with the padded total;
     - the unsharded copies the peak holds (parameters less their chunks: ZeRO-2's,
       all of them) grow with FSDP's padding, as the model's padded total.
 
@@ -1246,6 +1276,8 @@ def at_shard(m: Measured, dp_shard: int, replicas: int = 1) -> Measured:
     for (phase, kind, flops, nbytes), n in m.work.ops.items():
         if phase == OPTIMIZER or kind == CHUNK:
             flops, nbytes = round(flops * chunk), round(nbytes * chunk)
+        elif kind == BUFFER:  # FSDP's gathered and reduced buffers: the padded total
+            nbytes = round(nbytes * padded)
         ops[(phase, kind, flops, nbytes)] += n
     comm = {
         dim: {
