@@ -1183,7 +1183,8 @@ LONG = ModelSpec.of("hf", **{**LLAMA.size_dict(), "seq_len": 1024})
 def test_fsdps_copies_around_its_collectives_are_counted_and_never_fused():
     """FSDP2 copies each all-gather's buffer into the parameters (read and written:
     fsdp::split_with_sizes_copy) and the gradients into each reduce-scatter's input
-    (fsdp::chunk_cat): custom ops that return nothing, their outputs `out` arguments.
+    (fsdp::chunk_cat): custom ops that return nothing, their outputs `out` arguments;
+    and it casts its chunks in place before each gather (mixed precision).
     Each is counted as what it moves, the gathered and reduced buffers' bytes exactly
     those of the collectives, the gradients read beside; in FSDP's hooks, they run as
     their own kernels whether the blocks are compiled or not."""
@@ -1205,6 +1206,11 @@ def test_fsdps_copies_around_its_collectives_are_counted_and_never_fused():
     eager = copies.seconds(gpu)
     assert eager > 0 and copies.seconds(gpu, compiled=True) == eager
     assert copies.op_count() == dp["all_gather"]["count"] + dp["reduce_scatter"]["count"]
+    # before each gather, its chunks cast to bf16 in place (fp32 read, bf16 written:
+    # aten::_foreach_copy_, returning nothing) and copied into its buffer (bf16 both ways)
+    chunk = sum(k.row_elements * -(-k.rows // 2) * n for k, n in m.shards.items())
+    into = sum(b * n for (p, k, _, b), n in ops.items() if k == fakerank.CHUNK and p == "forward")
+    assert into == (4 + 2 + 2 + 2) * chunk
 
 
 @pytest.mark.parametrize(

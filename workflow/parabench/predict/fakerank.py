@@ -210,6 +210,11 @@ _COPY_IN = "fsdp::all_gather_copy_in"
 BUFFER = "buffer"
 GRADS = "grads"
 _BUFFERED = {"fsdp::split_with_sizes_copy": False, "fsdp::chunk_cat": True}  # reads grads
+# FSDP2's cast of its chunks to the compute dtype before each all-gather (mixed
+# precision), in place into a buffer of its own: in its hooks, a chunk's size (CHUNK).
+# In place, it returns nothing. The only foreach op of a fake step (the optimizer runs
+# parameter by parameter: `_optimizer`).
+_CAST_CHUNKS = "aten::_foreach_copy_"
 
 
 # What torch.compile and Float8 would change, recorded beside the eager ops of the same
@@ -349,6 +354,11 @@ class Counting(TorchDispatchMode):
             self.end_run()
             chunks = sum(_nbytes(_local(t)) for t in _tensors(args[0]))  # its inputs
             self.work.ops[(self._phase(), CHUNK, 0, 2 * chunks)] += 1
+            return out
+        if name == _CAST_CHUNKS:
+            self.end_run()
+            moved = sum(_nbytes(_local(t)) for t in _tensors(args[:2]))  # into, from
+            self.work.ops[(self._phase(), CHUNK, 0, moved)] += 1
             return out
         if (grads := _BUFFERED.get(name)) is not None:
             self.end_run()
