@@ -552,6 +552,9 @@ def test_the_ranking_check_sets_each_measured_layout_beside_its_prediction():
     from parabench.report.advice import ranking
 
     measured = {"ddp": 0.020, "fsdp": 0.060, "fsdp_tp": 0.070, "hsdp": 0.050}
+    # communication, and what the slowest rank waited for: ddp's wait holds more than its
+    # communication (the straggler's), so it hid at least nothing, not -20%
+    comm = {"ddp": (0.010, 0.012), "fsdp": (0.020, 0.015), "fsdp_tp": (0.03, 0.03)}
     summary = pd.DataFrame(
         [
             {
@@ -565,6 +568,8 @@ def test_the_ranking_check_sets_each_measured_layout_beside_its_prediction():
                 "status": "ok",
                 "step_time_s": t,
                 "options": "{}",
+                "comm_s": comm.get(s, (0.010, 0.005))[0],
+                "comm_exposed_s": comm.get(s, (0.010, 0.005))[1],
             }
             for s, t in measured.items()
         ]
@@ -598,6 +603,8 @@ def test_the_ranking_check_sets_each_measured_layout_beside_its_prediction():
                 "compute_s": step / 2,
                 "roofline_compute_s": step / 4,
                 "compute_source": "timed here: ..." if z == 3 else "priced: ...",
+                "comm_s": step / 2,
+                "comm_hidden_s": 0.0,
             }
             for (r, d, t, z), step in layouts.items()
         ]
@@ -614,6 +621,10 @@ def test_the_ranking_check_sets_each_measured_layout_beside_its_prediction():
     assert check["top1"] and check["predicted_best"] == check["measured_best"] == "ddp"
     # predicted ranks ddp 1, fsdp 4, fsdp_tp 2, hsdp 3; measured 1, 3, 4, 2: sum d^2 = 6
     assert check["spearman"] == pytest.approx(1 - 6 * 6 / (4 * 15))
+    hidden = {s: got[s]["measured_hidden"] for s in measured}
+    assert hidden == pytest.approx({"ddp": 0.0, "fsdp": 0.25, "fsdp_tp": 0.0, "hsdp": 0.5})
+    assert all(got[s]["predicted_hidden"] == 0 for s in measured)
+    assert check["hidden_gap"] == pytest.approx((0.25 + 0.5) / 4)
 
 
 def test_the_shipped_advise_config_loads_and_its_models_plan_without_building():

@@ -174,12 +174,15 @@ def ranking(adv: pd.DataFrame, summary: pd.DataFrame) -> list[dict]:
                     "roofline_compute_s": float(p.get("roofline_compute_s", p["compute_s"])),
                     "timed": str(p.get("compute_source", "")).startswith("timed"),
                     # the overlap model against the anatomy: the share of communication
-                    # that ran under compute, predicted and measured
+                    # that ran under compute, predicted and measured. Measured, at least:
+                    # comm_exposed_s also holds the slowest rank's wait for the straggler,
+                    # which can make communication less it fall below 0
                     "predicted_hidden": _share(
                         p.get("comm_hidden_s"), p.get("comm_s", 0) + p.get("comm_hidden_s", 0)
                     ),
                     "measured_hidden": _share(
-                        row.get("comm_s", 0) - row.get("comm_exposed_s", 0), row.get("comm_s")
+                        max(row.get("comm_s", 0) - row.get("comm_exposed_s", 0), 0.0),
+                        row.get("comm_s"),
                     ),
                 }
             )
