@@ -734,27 +734,14 @@ def test_a_layouts_tp_is_priced_on_the_curve_of_its_own_groups():
     sits in the layout (layout_comm: span and world), so a tp pair inside a world of 4
     is priced on the curve the benchmark measured for pairs placed so (here 4 ms a
     call), not the 2-rank world's (1 ms); tp on its own is that world."""
-    import pandas as pd
+    from test_fabric import curve_rows
 
     from parabench.hardware import fabric
 
-    def rows(seconds: float, world: int, stride: int) -> list[dict]:
-        return [
-            {
-                "op": "all_reduce",
-                "devices": 2,
-                "bytes": b,
-                "time_s": seconds,
-                "busbw_GBps": b / seconds / 1e9,  # all-reduce's bus factor at 2 ranks: 1
-                "backend": "gloo",
-                "world": world,
-                "stride": stride,
-            }
-            for b in (4096, 65536)
-        ]
-
     curves = fabric.from_curves(
-        pd.DataFrame(rows(1e-3, 2, 1) + rows(4e-3, 4, 1) + rows(2e-3, 4, 2))
+        pd.DataFrame(
+            curve_rows(1e-3, 2, 2, 1) + curve_rows(4e-3, 2, 4, 1) + curve_rows(2e-3, 2, 4, 2)
+        )
     )
     comm = {"tp": {"all_reduce": {"count": 3, "bytes": 65536}}}
     m = _measured(_work(2.0, 1.0, comm=comm))

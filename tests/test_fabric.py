@@ -184,6 +184,24 @@ def test_the_benchmark_times_each_group_as_a_layouts_mesh_places_it(degrees):
         assert sorted(collectives.groups_of(world, *placed)) == sorted(along), d
 
 
+def curve_rows(seconds: float, devices: int, world: int, stride: int) -> list[dict]:
+    """collectives.csv's rows of an all-reduce taking `seconds` a call at 4 and 64 KiB,
+    among `devices` ranks placed `stride` apart in a benchmark of `world` ranks."""
+    return [
+        {
+            "op": "all_reduce",
+            "devices": devices,
+            "bytes": b,
+            "time_s": seconds,
+            "busbw_GBps": b / seconds / 1e9,  # a bus factor of 1 is enough here
+            "backend": "gloo",
+            "world": world,
+            "stride": stride,
+        }
+        for b in (4096, 65536)
+    ]
+
+
 def test_a_layouts_group_is_priced_on_the_curve_measured_where_its_ranks_sit():
     """fabric.time reads a group of n ranks within a layout of `world` on the curve the
     benchmark measured for that placement (world, span / n apart); a whole world of n,
@@ -191,21 +209,7 @@ def test_a_layouts_group_is_priced_on_the_curve_measured_where_its_ranks_sit():
     column), on the whole world's curve at n."""
     import pandas as pd
 
-    def rows(seconds: float, devices: int, world: int, stride: int) -> list[dict]:
-        return [
-            {
-                "op": "all_reduce",
-                "devices": devices,
-                "bytes": b,
-                "time_s": seconds,
-                "busbw_GBps": b / seconds / 1e9,  # a bus factor of 1 is enough here
-                "backend": "gloo",
-                "world": world,
-                "stride": stride,
-            }
-            for b in (4096, 65536)
-        ]
-
+    rows = curve_rows
     curves = pd.DataFrame(rows(1e-3, 2, 2, 1) + rows(4e-3, 2, 4, 1) + rows(2e-3, 2, 4, 2))
     f = fabric.from_curves(curves)
     at = 65536 * 1  # the bus factor's bytes: all_reduce at 2 ranks moves 1x
