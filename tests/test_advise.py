@@ -813,6 +813,43 @@ def test_what_hides_is_never_more_than_what_is_charged(n, grads):
         assert got["step_s"] >= got["compute_s"], c.layout.label
 
 
+def test_a_cpu_hides_ddps_buckets_only_and_only_with_a_core_each():
+    """On a CPU profile: DDP's reducer all-reduces its buckets asynchronously, beside the
+    backward, where each rank has a core of its own; FSDP2 (and HSDP) issues every
+    gather and reduction synchronously there (no streams): none hides, whatever the
+    cores. The same measured ranks on a GPU hide both."""
+    fwd_bwd = {
+        (fakerank.FORWARD, fakerank.MATMUL, 4e12, 0.0): 1,
+        (fakerank.BACKWARD, fakerank.MATMUL, 8e12, 0.0): 1,
+    }
+    grads = advise.DDP_FIRST_BUCKET_BYTES + 3 * advise.DDP_BUCKET_BYTES
+    ddp = {"dp_replicate": {"all_reduce": {"count": 1, "bytes": grads}}}
+    fsdp = {
+        "dp_shard": {
+            "all_gather": {"count": 8, "bytes": 8 * 4e9},
+            "reduce_scatter": {"count": 4, "bytes": 4 * 4e9},
+        }
+    }
+    hsdp = {**fsdp, "dp_replicate": {"all_reduce": {"count": 4, "bytes": 4 * 2e9}}}
+    cases = [
+        (_candidate(dp_replicate=2), ddp, True),
+        (_candidate(dp_shard=2, zero=3), fsdp, False),
+        (_candidate(dp_replicate=2, dp_shard=2, zero=3), hsdp, False),
+    ]
+    for c, comm, hides_on_cpu in cases:
+        m = _measured(fakerank.Work(collections.Counter(fwd_bwd), comm))
+        on_gpu = advise.predict(c, m, UNIT_GPU, UNIT_FABRIC, 0)
+        assert on_gpu["comm_hidden_s"] > 0, c.layout.label
+        for cores in (c.gpus, 2 * c.gpus, c.gpus // 2):
+            cpu = dataclasses.replace(UNIT_GPU, cores=cores)
+            got = advise.predict(c, m, cpu, UNIT_FABRIC, 0)
+            hides = hides_on_cpu and cores >= c.gpus
+            assert (got["comm_hidden_s"] > 0) is hides, (c.layout.label, cores)
+            # what does not hide is charged: the same communication either way
+            total = got["comm_s"] + got["comm_hidden_s"]
+            assert total == pytest.approx(on_gpu["comm_s"] + on_gpu["comm_hidden_s"])
+
+
 def test_ranks_sharing_cores_compute_in_turn():
     """A CPU profile's ranks share its cores: 2 ranks on 1 core take twice the compute
     (the optimizer and the recompute too); on 4 cores, each its own."""
