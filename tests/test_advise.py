@@ -814,10 +814,11 @@ def test_what_hides_is_never_more_than_what_is_charged(n, grads):
 
 
 def test_a_cpu_hides_ddps_buckets_only_and_only_with_a_core_each():
-    """On a CPU profile: DDP's reducer all-reduces its buckets asynchronously, beside the
-    backward, where each rank has a core of its own; FSDP2 (and HSDP) issues every
-    gather and reduction synchronously there (no streams): none hides, whatever the
-    cores. The same measured ranks on a GPU hide both."""
+    """On a CPU profile: torch DDP's reducer all-reduces its buckets asynchronously,
+    beside the backward, where each rank has a core of its own; FSDP2 issues every
+    gather and reduction synchronously there (its streams do nothing on a CPU): FSDP's,
+    HSDP's, and its `replicate`'s, which is the cells' DDP over TP. None of those hides,
+    whatever the cores. The same measured ranks on a GPU hide them all."""
     fwd_bwd = {
         (fakerank.FORWARD, fakerank.MATMUL, 4e12, 0.0): 1,
         (fakerank.BACKWARD, fakerank.MATMUL, 8e12, 0.0): 1,
@@ -833,7 +834,9 @@ def test_a_cpu_hides_ddps_buckets_only_and_only_with_a_core_each():
     hsdp = {**fsdp, "dp_replicate": {"all_reduce": {"count": 4, "bytes": 4 * 2e9}}}
     cases = [
         (_candidate(dp_replicate=2), ddp, True),
+        (_candidate(dp_replicate=2, tp=2), ddp, False),
         (_candidate(dp_shard=2, zero=3), fsdp, False),
+        (_candidate(dp_shard=2, zero=2), fsdp, False),
         (_candidate(dp_replicate=2, dp_shard=2, zero=3), hsdp, False),
     ]
     for c, comm, hides_on_cpu in cases:

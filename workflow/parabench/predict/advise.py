@@ -425,12 +425,13 @@ def predict(
     forward = seconds(FORWARD) * turns
     issued = collectives(m, lay, float8)
     hidden = a * (data_parallel(issued, lay, fabric, forward, micro_s - forward) or 0.0)
-    if gpu.cores and (slicing > 1 or lay.dp_shard > 1):
+    if gpu.cores and (slicing > 1 or lay.dp_shard > 1 or lay.tp > 1):
         # A CPU hides nothing where no core is free for gloo's threads while the ranks
-        # compute; nor FSDP2's (and HSDP's) collectives on any number of cores: with no
-        # streams it issues each synchronously, and the rank waits for it (its cells'
-        # traces: every gloo span inside the call). DDP's reducer runs its buckets
-        # asynchronously, under the backward.
+        # compute; nor FSDP2's collectives on any number of cores (FSDP's, HSDP's, and
+        # its `replicate`, the cells' DDP over TP: parallelize.py): its streams do
+        # nothing there and it issues each call synchronously, the rank waiting in it
+        # (its cells' traces: every gloo span inside the call). Torch DDP's reducer
+        # runs its buckets asynchronously, under the backward.
         hidden = 0.0
     # Per micro-batch, as the rank measured, but a pipeline's schedule runs data
     # parallelism's gather and gradient sync once per step (layout.py): only tp's
