@@ -336,15 +336,17 @@ def collectives(m, lay: Layout, float8: bool = False) -> dict:
     rank's, but DDP's gradients (FSDP2's `replicate` of the whole model there: one
     all-reduce) in torch DistributedDataParallel's buckets, which it all-reduces as the
     backward fills them: the first of 1 MiB, the rest of bucket_cap_mb (25 MiB, its
-    default), taken as alike. With Float8, FSDP gathers the blocks' linear weights at a
-    byte each (torchtitan's enable_fsdp_float8_all_gather), half their BF16 bytes."""
+    default), taken as alike. DDP over TP runs as the fake rank does (FSDP2's
+    `replicate`: strategies/parallelize.py), one all-reduce once the backward is done.
+    With Float8, FSDP gathers the blocks' linear weights at a byte each (torchtitan's
+    enable_fsdp_float8_all_gather), half their BF16 bytes."""
     comm = m.work.comm_by_dim
     gathered = comm.get("dp_shard", {}).get("all_gather")
     if float8 and gathered:
         fp8 = {**gathered, "bytes": gathered["bytes"] * (1 - m.linear_share / 2)}
         comm = {**comm, "dp_shard": {**comm["dp_shard"], "all_gather": fp8}}
     ddp = comm.get("dp_replicate", {}).get("all_reduce")
-    if lay.dp_shard > 1 or not ddp or not ddp.get("count"):
+    if lay.dp_shard > 1 or lay.tp > 1 or not ddp or not ddp.get("count"):
         return comm
     rest = max(ddp["bytes"] - DDP_FIRST_BUCKET_BYTES, 0)
     buckets = max(ddp["count"], 1 + math.ceil(rest / DDP_BUCKET_BYTES))
@@ -425,13 +427,12 @@ def predict(
     forward = seconds(FORWARD) * turns
     issued = collectives(m, lay, float8)
     hidden = a * (data_parallel(issued, lay, fabric, forward, micro_s - forward) or 0.0)
-    if gpu.cores and (slicing > 1 or lay.dp_shard > 1 or lay.tp > 1):
+    if gpu.cores and (slicing > 1 or lay.dp_shard > 1):
         # A CPU hides nothing where no core is free for gloo's threads while the ranks
-        # compute; nor FSDP2's collectives on any number of cores (FSDP's, HSDP's, and
-        # its `replicate`, the cells' DDP over TP: parallelize.py): its streams do
-        # nothing there and it issues each call synchronously, the rank waiting in it
-        # (its cells' traces: every gloo span inside the call). Torch DDP's reducer
-        # runs its buckets asynchronously, under the backward.
+        # compute; nor FSDP2's collectives (FSDP's, HSDP's) on any number of cores: its
+        # streams do nothing there and it issues each call synchronously, the rank
+        # waiting in it (its cells' traces: every gloo span inside the call). Torch
+        # DDP's reducer runs its buckets asynchronously, under the backward.
         hidden = 0.0
     # Per micro-batch, as the rank measured, but a pipeline's schedule runs data
     # parallelism's gather and gradient sync once per step (layout.py): only tp's
