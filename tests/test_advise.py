@@ -625,6 +625,9 @@ def test_the_ranking_check_sets_each_measured_layout_beside_its_prediction():
     assert hidden == pytest.approx({"ddp": 0.0, "fsdp": 0.25, "fsdp_tp": 0.0, "hsdp": 0.5})
     assert all(got[s]["predicted_hidden"] == 0 for s in measured)
     assert check["hidden_gap"] == pytest.approx((0.25 + 0.5) / 4)
+    # of two layouts no rank correlation: they rank alike or opposite, whatever the figures
+    (two,) = ranking(adv, summary[summary["strategy"].isin(["ddp", "fsdp"])])
+    assert len(two["rows"]) == 2 and two["spearman"] is None and two["top1"]
 
 
 def test_the_shipped_advise_config_loads_and_its_models_plan_without_building():

@@ -201,7 +201,8 @@ def ranking(adv: pd.DataFrame, summary: pd.DataFrame) -> list[dict]:
                 == df.loc[df["measured_s"].idxmin(), "strategy"],
                 "predicted_best": df.loc[df["predicted_s"].idxmin(), "strategy"],
                 "measured_best": df.loc[df["measured_s"].idxmin(), "strategy"],
-                "spearman": None if math.isnan(rho) else rho,
+                # two layouts rank alike or opposite whatever their figures: no measure
+                "spearman": None if math.isnan(rho) or len(df) < 3 else rho,
                 # each layout's compute timed on this host (else priced on the roofline)
                 "timed": bool(df["timed"].all()),
                 "mape": float(df["error"].abs().mean()),
