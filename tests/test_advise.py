@@ -922,6 +922,16 @@ def test_a_rank_timed_on_this_host_takes_the_rooflines_place():
         assert got["recompute_s"] == 0 and got["compute_s"] == pytest.approx(compute(2, 3, 0))
 
 
+# Where this process's forks cannot run a backward (torch before 2.13, after a fake
+# step), `timed` runs in a fresh process: neither its copies' CPU time nor a patch of
+# this process reaches them there (test_a_rank_is_timed_in_a_fresh_process_...).
+DIRECT = pytest.mark.skipif(
+    "not __import__('parabench.predict.fakerank').predict.fakerank._forks_run_autograd()",
+    reason="this torch runs no backward in a fork of this process (fakerank.timed)",
+)
+
+
+@DIRECT
 def test_a_rank_is_timed_taking_turns_with_the_ranks_beside_it():
     """fakerank.timed runs a rank as a cell's ranks run on this host: with two ranks to
     one core, the rank forked beside the timed one steps all the while it is timed, on
@@ -964,6 +974,7 @@ def test_a_rank_is_timed_taking_turns_with_the_ranks_beside_it():
     assert torch.get_num_threads() == threads
 
 
+@DIRECT
 def test_a_rank_beside_the_timed_one_that_dies_fails_the_timing(monkeypatch):
     """A copy stepping beside the timed rank that dies (here at its second step) makes
     `timed` fail, at once and saying so, rather than time the rank beside fewer ranks
@@ -990,6 +1001,25 @@ def test_a_rank_beside_the_timed_one_that_dies_fails_the_timing(monkeypatch):
     assert time.monotonic() - t0 < 30  # not the minute a copy may take to start
     assert not multiprocessing.active_children()
     assert os.sched_getaffinity(0) == cores
+
+
+def test_a_rank_is_timed_in_a_fresh_process_where_forks_cannot_run_autograd(monkeypatch):
+    """Before torch 2.13 a fork of a process that ran a fake rank's backward refuses to
+    run one: `timed` then runs in a process forked from a new Python (multiprocessing's
+    forkserver), which forks its copies in turn, and returns its phases, or says why it
+    failed; nothing is left running."""
+    import multiprocessing
+
+    monkeypatch.setattr(fakerank, "_forks_run_autograd", lambda: False)
+    spec = ModelSpec.of(**GPT)
+    probe = fakerank.Probe(Layout(dp_replicate=2), micro=8, precision="fp32", optimizer="sgd")
+    phases = fakerank.timed(spec, probe, ranks=2)
+    assert set(phases) == {fakerank.FORWARD, fakerank.BACKWARD, fakerank.OPTIMIZER}
+    assert all(0 < s < 10 for s in phases.values())
+    # a rank whose step fails (TP 3 over 6 heads): its error, named, from that process
+    with pytest.raises(RuntimeError, match=r"^RuntimeError: shape .* is invalid"):
+        fakerank.timed(spec, probe.replace(layout=Layout(tp=3)), ranks=2)
+    assert not multiprocessing.active_children()
 
 
 def test_this_machine_times_each_rank_that_fits_and_says_so():
@@ -1213,6 +1243,25 @@ def test_an_op_costs_its_roofline_bound_and_at_least_the_floor():
     # a profile without an attention rate prices attention at the matmul rate
     plain = dataclasses.replace(gpu, attention_flops=0.0)
     assert plain.op_time(1e12, 0.0, attention=True) == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize(
+    "kernel", ["_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention"]
+)
+def test_grouped_query_attention_counts_its_key_value_heads_broadcast(kernel):
+    """Llama 3's attention (32 query heads over 8 key-value heads, passed unexpanded with
+    enable_gqa) counts as the kernel runs it, every query head over the whole sequence:
+    torch 2.10's formulas refused it, which failed every candidate of a GQA model."""
+    b, s, d = 2, 128, 64
+    q = torch.empty(b, 32, s, d, device="meta")
+    kv, whole = torch.empty(b, 8, s, d, device="meta"), torch.empty(b, 32, s, d, device="meta")
+    forward = getattr(torch.ops.aten, kernel).default
+    backward = getattr(torch.ops.aten, f"{kernel}_backward").default
+    count = fakerank._op(forward)[2]
+    assert count(q, kv, kv) == count(q, whole, whole) == 2 * (2 * b * 32 * s * s * d)
+    count = fakerank._op(backward)[2]  # the scores again, then four products
+    grad = torch.empty_like(q)
+    assert count(grad, q, kv, kv) == count(grad, q, whole, whole) == 5 * (2 * b * 32 * s * s * d)
 
 
 # --- a rank derived at another data-parallel degree ------------------------------------

@@ -1182,11 +1182,16 @@ def price(
         row = {**search_.row(c, models.facts(spec), batch, tokens)}
         rows.append({**row, "params": fakerank.parameters(spec)})
         write_rows(out / LAYOUT_CSV, ADVISE_COLUMNS, rows)
-        log(
+        said = (
             f"advise {name}: {c.layout.label}, micro {c.micro} x {c.accumulation} on "
-            f"{c.gpus} GPUs: {row.get('step_s', math.nan):.3g} s/step, "
-            f"{row.get('tokens_per_s_per_gpu', math.nan):,.0f} tokens/s/GPU, "
-            f"{row.get('memory_bytes', math.nan) / 2**30:.1f} GiB, "
+            f"{c.gpus} GPUs: "
+        )
+        if row.get("status") != "ok":  # a measurement that failed prices nothing
+            log(said + f"{row.get('status')}: {row.get('reason', '')}")
+            continue
+        log(
+            said + f"{row['step_s']:.3g} s/step, {row['tokens_per_s_per_gpu']:,.0f} "
+            f"tokens/s/GPU, {row['memory_bytes'] / 2**30:.1f} GiB, "
             + ("fits" if row.get("fits") else f"does not fit ({row.get('reason', '')})")
         )
     return rows

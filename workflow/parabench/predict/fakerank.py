@@ -168,10 +168,10 @@ def _flop_formulas() -> dict:
     aten = torch.ops.aten
 
     def cpu_fwd(q, k, v, *args, out_val=None, **kwargs):
-        return fc.sdpa_flop_count(q.shape, k.shape, v.shape)
+        return fc.sdpa_flop_count(*map(_shape, (q, k, v)))
 
     def cpu_bwd(grad, q, k, v, *args, out_val=None, **kwargs):
-        return fc.sdpa_backward_flop_count(grad.shape, q.shape, k.shape, v.shape)
+        return fc.sdpa_backward_flop_count(*map(_shape, (grad, q, k, v)))
 
     for name, formula in (
         ("_scaled_dot_product_flash_attention_for_cpu", cpu_fwd),
@@ -180,6 +180,35 @@ def _flop_formulas() -> dict:
         if (op := getattr(aten, name, None)) is not None:
             formulas[op] = formula
     return formulas
+
+
+def _shape(x) -> torch.Size:
+    return x.shape if isinstance(x, torch.Tensor) else torch.Size(x)
+
+
+def _heads_broadcast(func, formula: Callable) -> Callable:
+    """An attention op's FLOP formula, its key and value counted at the query's heads:
+    a GQA call (Llama 3's 8 key-value heads to 32 query heads, transformers passing
+    enable_gqa) broadcasts them in the kernel, and torch's formulas before 2.13 assert
+    equal heads ("query/key/value shapes are incompatible", torch 2.10), which failed
+    every candidate of a GQA model. torch 2.13's GQA-aware formulas count the query's
+    heads throughout, so the count is the same on either (tests/test_advise.py)."""
+    names = [a.name for a in func._schema.arguments]
+    if not {"query", "key", "value"} <= set(names):
+        return formula
+    q, k, v = (names.index(n) for n in ("query", "key", "value"))
+
+    def counted(*args, **kwargs):
+        if max(q, k, v) < len(args):
+            args = list(args)
+            heads = _shape(args[q])[-3]
+            for i in (k, v):
+                s = _shape(args[i])
+                if s[-3] != heads:  # [batch, heads, sequence, head dim]
+                    args[i] = torch.Size((*s[:-3], heads, *s[-2:]))
+        return formula(*args, **kwargs)
+
+    return counted
 
 
 def _is_causal(func, args, kwargs) -> bool:
@@ -537,7 +566,12 @@ def _op(func) -> tuple[str, bool, object]:
     name = func._schema.name
     moves = not (func.is_view or name in _FREE or name.startswith("prim::"))
     formulas = _flop_formulas()
-    return name, moves, formulas.get(func) or formulas.get(func._overloadpacket)
+    formula = formulas.get(func) or formulas.get(func._overloadpacket)
+    # the [batch, heads, sequence, head dim] kernels (not the lower-level
+    # _flash_attention_forward's [batch, sequence, heads, head dim])
+    if formula is not None and name.startswith("aten::_scaled_dot_product_"):
+        formula = _heads_broadcast(func, formula)
+    return name, moves, formula
 
 
 # Ops that move no data (allocation without a fill, metadata).
@@ -829,6 +863,63 @@ def step(
 
 
 def timed(spec: ModelSpec, probe: Probe, ranks: int = 1) -> dict[str, float]:
+    """`_timed_here` (see there), in a fresh process where a process forked from this
+    one cannot run a backward: before torch 2.13, once this process has run one on fake
+    tensors (a fake rank's step) or through DTensors (FSDP's, TP's), autograd refuses it
+    in every fork ("Unable to handle autograd's threading in combination with
+    fork-based multiprocessing"), and the copies stepping beside the timed rank would
+    die. A process that multiprocessing's forkserver forks is a child of a new Python,
+    which has run no backward; it forks the copies before its own first step."""
+    if ranks < 2 or _forks_run_autograd():
+        return _timed_here(spec, probe, ranks)
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload([__name__])
+    receive, send = ctx.Pipe(duplex=False)
+    # not a daemon: one may not fork the copies it times beside
+    proc = ctx.Process(target=_timed_there, args=(spec, probe, ranks, send))
+    proc.start()
+    send.close()
+    try:
+        ok, got = receive.recv()
+    except EOFError:
+        proc.join()
+        raise RuntimeError(
+            f"fakerank.timed: its process ended with exit code {proc.exitcode}"
+        ) from None
+    proc.join()
+    if not ok:
+        raise RuntimeError(got)
+    return got
+
+
+def _timed_there(spec: ModelSpec, probe: Probe, ranks: int, send) -> None:
+    """`_timed_here` in a process of `timed`'s: its phases, or its failure's text."""
+    try:
+        send.send((True, _timed_here(spec, probe, ranks, fork_first=True)))
+    except Exception as e:
+        send.send((False, f"{type(e).__name__}: {e}"))
+
+
+def _forks_run_autograd() -> bool:
+    """Whether a process forked from this one can run a backward (see `timed`): asked
+    of a forked child, since no torch API tells."""
+    pid = os.fork()
+    if pid == 0:  # the child: exit at once, whatever happens, running nothing else
+        code = 1
+        try:
+            x = torch.ones(1, requires_grad=True)
+            (x * 2).sum().backward()
+            code = 0
+        finally:
+            os._exit(code)
+    return os.waitpid(pid, 0)[1] == 0
+
+
+def _timed_here(
+    spec: ModelSpec, probe: Probe, ranks: int = 1, fork_first: bool = False
+) -> dict[str, float]:
     """Seconds of each phase of the rank's step (FORWARD with the loss, BACKWARD with
     any recompute, OPTIMIZER), run on this host's CPU on real tensors, its collectives
     returning at once on its own data, after a warm-up (loop's ALONE_WARMUP; the rank
@@ -862,7 +953,8 @@ def timed(spec: ModelSpec, probe: Probe, ranks: int = 1) -> dict[str, float]:
         # its threads from the start, as a cell's: none left spinning from a wider pool
         torch.set_num_threads(len(mine))
         with rank(spec, probe, fake=False, local=True) as r:
-            step(r)  # the lazy first step (FSDP's and the optimizer's), before forking
+            if not fork_first:  # `timed`'s fresh process: no backward before its forks
+                step(r)  # the lazy first step (FSDP's and the optimizer's), before forking
             for i in range(1, ranks):
                 args = (r, runtime.share(i, ranks, cores), os.getpid(), steps, i - 1, stop)
                 others.append(fork.Process(target=_beside, args=args, daemon=True))
