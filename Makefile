@@ -50,12 +50,13 @@ GPU_PYTHON ?= $(if $(wildcard $(BIN)/python),$(BIN)/python,python3)
 # PyPI has it only as a CUDA build (7.5 GB installed with its nvidia-* libraries), which
 # runs on the CPU; in a venv of its own, so .venv keeps TORCH. The tests that run the
 # strategies and layouts through torch's distributed APIs, where releases differ
-# (pipelining, DTensor, FSDP2), not the whole suite: make test runs that on TORCH.
+# (pipelining, DTensor, FSDP2, and advise's fake ranks over them and torch's FLOP
+# formulas), not the whole suite: make test runs that on TORCH.
 TORCH_MIN      ?= torch==2.10.0
 MIN_VENV       ?= .venv-torch-min
 MIN_STAMP      := $(MIN_VENV)/.parabench-installed
 TORCH_MIN_TESTS := tests/test_equivalence.py tests/test_layouts.py tests/test_cuda_paths.py \
-	tests/test_cli_cells.py tests/test_models.py tests/test_hf.py
+	tests/test_cli_cells.py tests/test_models.py tests/test_hf.py tests/test_advise.py
 
 .PHONY: run test test-torch-min lint bench gpu-check mutation clean
 

@@ -435,6 +435,30 @@ def test_one_given_layout_is_priced_as_the_search_prices_it(advised, tmp_path):
     assert bad.stderr.startswith("parabench advise: --layout: the global batch of 16")
 
 
+def test_a_layout_is_priced_alike_to_the_bit_in_every_process(tmp_path):
+    """A rank extended from two depths sums its ops in one order whatever the process:
+    Python seeds string hashes afresh in each, and sums taken in a set's order differed
+    in their last bits from one process to the next (and so from a cached step's)."""
+    import os
+
+    tables = []
+    for seed in ("1", "2"):
+        out = tmp_path / seed
+        proc = subprocess.run(
+            [
+                *(sys.executable, "-m", "parabench", "advise", REPO / "config/advise.yaml"),
+                *("--models", "llama3_8b", "--gpus", "16", "--out", out),
+                *("--layout", "FSDP 8 x TP 2, SP, full AC, micro 2"),
+            ],
+            capture_output=True,
+            text=True,
+            env={**os.environ, "PYTHONHASHSEED": seed},
+        )
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        tables.append((out / "advise-layout.csv").read_bytes())
+    assert tables[0] == tables[1]
+
+
 @pytest.mark.parametrize(
     "change, extra, said",
     [
@@ -639,6 +663,52 @@ def test_the_shipped_advise_config_loads_and_its_models_plan_without_building():
     for entry in config["models"].values():
         facts = models.facts(model_spec(entry))
         assert not facts.problems and facts.has_tp_plan and facts.n_blocks >= 32
+
+
+def test_a_second_search_reads_its_ranks_from_the_cache_and_decides_alike(tmp_path, monkeypatch):
+    """With a cache (`advise --cache`), each fake step a search takes is kept; the same
+    search again, in a process that holds none of them, takes no fake step and writes
+    every row as the first did. A change of code (or torch, transformers, Python) reads
+    none of them: its steps are taken again."""
+    from parabench import models
+
+    monkeypatch.setenv(fakerank.CACHE_ENV, str(tmp_path))
+
+    def searched() -> tuple[list[dict], int, int]:
+        fakerank._MEASURED.clear()
+        fakerank._SETTLED.clear()
+        logged = []
+        search = advise.Search(
+            {"llama": LLAMA},
+            gpus.PROFILES["h100"],
+            PROFILES["h100-nvlink-ndr400"],
+            "bf16",
+            "adamw",
+            log=logged.append,
+        )
+        ran = fakerank.steps_run()
+        with fakerank.kept_worlds():
+            rows = advise.search(
+                search,
+                "llama",
+                models.facts(LLAMA),
+                2,
+                2,
+                16,
+                advise.tokens_per_sample(LLAMA),
+                fakerank.depth(LLAMA),
+            )
+        read = sum(int(line.split(": ")[1].split()[0]) for line in logged if "  read " in line)
+        return rows, fakerank.steps_run() - ran, read
+
+    first, ran, read = searched()
+    assert ran > 0 and read == 0
+    again, ran_again, read_again = searched()
+    assert ran_again == 0 and read_again == ran
+    assert again == first
+    monkeypatch.setattr(fakerank, "_code_stamp", lambda: "another code")
+    _, ran_changed, read_changed = searched()
+    assert ran_changed == ran and read_changed == 0
 
 
 def test_a_failed_measurement_decides_nothing():
@@ -1006,8 +1076,9 @@ def test_a_rank_beside_the_timed_one_that_dies_fails_the_timing(monkeypatch):
 def test_a_rank_is_timed_in_a_fresh_process_where_forks_cannot_run_autograd(monkeypatch):
     """Before torch 2.13 a fork of a process that ran a fake rank's backward refuses to
     run one: `timed` then runs in a process forked from a new Python (multiprocessing's
-    forkserver), which forks its copies in turn, and returns its phases, or says why it
-    failed; nothing is left running."""
+    forkserver), bound to this process's cores, which forks its copies in turn, and
+    returns its phases, or says why it failed; neither that process nor a copy is left
+    running."""
     import multiprocessing
 
     monkeypatch.setattr(fakerank, "_forks_run_autograd", lambda: False)
@@ -1017,7 +1088,7 @@ def test_a_rank_is_timed_in_a_fresh_process_where_forks_cannot_run_autograd(monk
     assert set(phases) == {fakerank.FORWARD, fakerank.BACKWARD, fakerank.OPTIMIZER}
     assert all(0 < s < 10 for s in phases.values())
     # a rank whose step fails (TP 3 over 6 heads): its error, named, from that process
-    with pytest.raises(RuntimeError, match=r"^RuntimeError: shape .* is invalid"):
+    with pytest.raises(RuntimeError, match=r"fresh process: RuntimeError: shape .* is invalid"):
         fakerank.timed(spec, probe.replace(layout=Layout(tp=3)), ranks=2)
     assert not multiprocessing.active_children()
 

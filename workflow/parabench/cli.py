@@ -153,6 +153,12 @@ def _parser() -> argparse.ArgumentParser:
         help="processes searching side by side (default: this host's cores, where the "
         "search is large enough to pay for starting them)",
     )
+    adv.add_argument(
+        "--cache",
+        type=Path,
+        help="a directory to keep each rank's fake step in, and read it from: a later "
+        "search of the same model (other GPUs, fabric or N) takes seconds (off by default)",
+    )
     adv.add_argument("--out", type=Path, required=True, help="directory for advise.csv")
 
     reh = sub.add_parser(
@@ -586,9 +592,11 @@ def _advise(args: argparse.Namespace) -> int:
     except (ConfigError, FabricError, GPUError, OSError) as e:
         print(f"parabench advise: {e}", file=sys.stderr)
         return 2
-    from parabench.predict import advise
+    from parabench.predict import advise, fakerank
 
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.cache:  # in the environment: the spawned workers measure too
+        os.environ[fakerank.CACHE_ENV] = str(args.cache.resolve())
     if args.layout:
         try:
             advise.price(config, args.layout, gpu, fabric, args.out)

@@ -565,7 +565,7 @@ class Search:
         self.cache: dict = {}
         self.times: dict = {}  # (model, probe at its blocks, ranks) -> fakerank.timed's
         self.small: dict[str, bool] = {}  # model -> whether its ranks are timed
-        self.measurements = 0  # fake steps taken (fakerank.measure)
+        self.measurements = 0  # fake steps taken (fakerank.measure; not read from its cache)
         self.memo: list = []  # what a worker's copy takes in first (for_family)
 
     def for_family(self, cands: list[Candidate]) -> Search:
@@ -621,7 +621,7 @@ class Search:
 
         key = (c.model, probe, blocks)
         if key not in self.cache:
-            t0, before = time.perf_counter(), fakerank.measurements()
+            t0, before, ran = time.perf_counter(), fakerank.measurements(), fakerank.steps_run()
             try:
                 spec = self.specs[c.model]
                 self.cache[key] = (
@@ -631,7 +631,10 @@ class Search:
                 )
             except Exception as e:  # a row that says why, never a lost search
                 self.cache[key] = _why(e)
-            if made := fakerank.measurements() - before:
+            made = fakerank.steps_run() - ran
+            if read := fakerank.measurements() - before - made:  # from the cache
+                self.log(f"  read {probe.layout.label}, micro {c.micro}: {read} fake steps")
+            if made:
                 self.measurements += made
                 self.log(
                     f"  measured {probe.layout.label}, micro {c.micro}: {made} fake steps, "
@@ -897,7 +900,7 @@ def _families_job(
     for got in search.memo:
         fakerank.remember(got)
     before = set(search.cache)
-    steps = fakerank.measurements()
+    steps = fakerank.steps_run()
     known = fakerank.steps_known()  # what was shipped in, or measured here before
     with fakerank.kept_worlds():
         found = [_search_family(search, cands, facts, global_batch, tokens) for cands in fams]
@@ -907,7 +910,7 @@ def _families_job(
         fakerank.memo(search.specs[m], [p for n, p in probes if n == m], known)
         for m in {m for m, _ in probes}
     ]
-    return found, new, memo, fakerank.measurements() - steps
+    return found, new, memo, fakerank.steps_run() - steps
 
 
 def _shape(fam: Candidate) -> tuple:

@@ -43,6 +43,7 @@ import functools
 import itertools
 import math
 import os
+import signal
 import statistics
 import sys
 import threading
@@ -199,6 +200,7 @@ def _heads_broadcast(func, formula: Callable) -> Callable:
     q, k, v = (names.index(n) for n in ("query", "key", "value"))
 
     def counted(*args, **kwargs):
+        # a dispatch mode gets them positionally: they have no defaults
         if max(q, k, v) < len(args):
             args = list(args)
             heads = _shape(args[q])[-3]
@@ -869,7 +871,8 @@ def timed(spec: ModelSpec, probe: Probe, ranks: int = 1) -> dict[str, float]:
     in every fork ("Unable to handle autograd's threading in combination with
     fork-based multiprocessing"), and the copies stepping beside the timed rank would
     die. A process that multiprocessing's forkserver forks is a child of a new Python,
-    which has run no backward; it forks the copies before its own first step."""
+    which has run no backward. Either way the copies are forked before the timed rank's
+    first step, so that what the probe found still holds when they are."""
     if ranks < 2 or _forks_run_autograd():
         return _timed_here(spec, probe, ranks)
     import multiprocessing
@@ -877,8 +880,9 @@ def timed(spec: ModelSpec, probe: Probe, ranks: int = 1) -> dict[str, float]:
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload([__name__])
     receive, send = ctx.Pipe(duplex=False)
+    cores = sorted(os.sched_getaffinity(0))  # this process's, not the forkserver's
     # not a daemon: one may not fork the copies it times beside
-    proc = ctx.Process(target=_timed_there, args=(spec, probe, ranks, send))
+    proc = ctx.Process(target=_timed_there, args=(spec, probe, ranks, cores, send))
     proc.start()
     send.close()
     try:
@@ -888,23 +892,36 @@ def timed(spec: ModelSpec, probe: Probe, ranks: int = 1) -> dict[str, float]:
         raise RuntimeError(
             f"fakerank.timed: its process ended with exit code {proc.exitcode}"
         ) from None
-    proc.join()
+    finally:
+        receive.close()
+        proc.join(timeout=_BESIDE_START_S)
+        if proc.is_alive():  # interrupted, or answered and does not end
+            proc.kill()
+            proc.join()
     if not ok:
-        raise RuntimeError(got)
+        raise RuntimeError(f"fakerank.timed, in a fresh process: {got}")
     return got
 
 
-def _timed_there(spec: ModelSpec, probe: Probe, ranks: int, send) -> None:
+def _timed_there(spec: ModelSpec, probe: Probe, ranks: int, cores: list[int], send) -> None:
     """`_timed_here` in a process of `timed`'s: its phases, or its failure's text."""
     try:
-        send.send((True, _timed_here(spec, probe, ranks, fork_first=True)))
+        os.sched_setaffinity(0, cores)
+        send.send((True, _timed_here(spec, probe, ranks)))
     except Exception as e:
         send.send((False, f"{type(e).__name__}: {e}"))
 
 
-def _forks_run_autograd() -> bool:
+_FORKS_REFUSE = False  # once refused, for good: nothing undoes a backward
+
+
+def _forks_run_autograd(timeout_s: float = 30.0) -> bool:
     """Whether a process forked from this one can run a backward (see `timed`): asked
-    of a forked child, since no torch API tells."""
+    of a forked child, since no torch API tells; a child that has not answered within
+    `timeout_s` (stuck on a lock another thread held at the fork) says no."""
+    global _FORKS_REFUSE
+    if _FORKS_REFUSE:
+        return False
     pid = os.fork()
     if pid == 0:  # the child: exit at once, whatever happens, running nothing else
         code = 1
@@ -914,12 +931,18 @@ def _forks_run_autograd() -> bool:
             code = 0
         finally:
             os._exit(code)
-    return os.waitpid(pid, 0)[1] == 0
+    deadline = time.monotonic() + timeout_s
+    while (done := os.waitpid(pid, os.WNOHANG))[0] == 0:
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            done = os.waitpid(pid, 0)
+            break
+        time.sleep(0.005)
+    _FORKS_REFUSE = done[1] != 0
+    return not _FORKS_REFUSE
 
 
-def _timed_here(
-    spec: ModelSpec, probe: Probe, ranks: int = 1, fork_first: bool = False
-) -> dict[str, float]:
+def _timed_here(spec: ModelSpec, probe: Probe, ranks: int = 1) -> dict[str, float]:
     """Seconds of each phase of the rank's step (FORWARD with the loss, BACKWARD with
     any recompute, OPTIMIZER), run on this host's CPU on real tensors, its collectives
     returning at once on its own data, after a warm-up (loop's ALONE_WARMUP; the rank
@@ -928,7 +951,8 @@ def _timed_here(
 
     As `ranks` ranks of a cell run on this host: each process bound to its share of the
     cores (runtime.share), the rank timed with as many intra-op threads while the
-    others step beside it (forked copies of it, one thread each: GNU OpenMP does not
+    others step beside it (copies of it forked before its first step, `timed`; one
+    thread each: GNU OpenMP does not
     survive a fork, and a copy with more than one core's share shares none with the
     timed rank), so that ranks sharing a core take turns, and contend for its caches,
     as a cell's do. So each phase is the mean over at least ALONE_STEPS steps and
@@ -953,8 +977,6 @@ def _timed_here(
         # its threads from the start, as a cell's: none left spinning from a wider pool
         torch.set_num_threads(len(mine))
         with rank(spec, probe, fake=False, local=True) as r:
-            if not fork_first:  # `timed`'s fresh process: no backward before its forks
-                step(r)  # the lazy first step (FSDP's and the optimizer's), before forking
             for i in range(1, ranks):
                 args = (r, runtime.share(i, ranks, cores), os.getpid(), steps, i - 1, stop)
                 others.append(fork.Process(target=_beside, args=args, daemon=True))
@@ -1225,6 +1247,11 @@ def measure(spec: ModelSpec, probe: Probe) -> Measured:
     key = (spec, probe)
     if key in _MEASURED:
         return _MEASURED[key]
+    if (kept := _stored(key)) is not None:
+        _MEASURED[key] = kept
+        return kept
+    global _RAN
+    _RAN += 1
     with rank(spec, probe) as r:
         tracker = _tracker_class()()
         tracker.track_external(r.module, r.optimizer)
@@ -1256,6 +1283,7 @@ def measure(spec: ModelSpec, probe: Probe) -> Measured:
         linear_params=weights,
         parts=parts,
     )
+    _store(key, _MEASURED[key])
     return _MEASURED[key]
 
 
@@ -1299,8 +1327,93 @@ def remember(got: tuple[dict, dict]) -> None:
 
 
 def measurements() -> int:
-    """How many fake steps this process holds (measured or remembered)."""
+    """How many fake steps this process holds (measured, remembered or stored)."""
     return len(_MEASURED)
+
+
+def steps_run() -> int:
+    """How many fake steps this process has run (`measure`: not remembered or stored)."""
+    return _RAN
+
+
+_RAN = 0
+
+# --- measurements kept on disk ---------------------------------------------------------
+
+# Where `measure` keeps each fake step it takes, and looks for it before taking it: the
+# directory `parabench advise --cache` names (spawned workers inherit it), unset for
+# none. What a rank holds and does depends on nothing a search varies besides its model
+# and probe (not the GPU, fabric, N or pricing), so a second search of the same model,
+# on other GPUs or at other N, reads its ranks here instead of stepping them again.
+CACHE_ENV = "PARABENCH_ADVISE_CACHE"
+
+
+@functools.cache
+def _code_stamp() -> str:
+    """What else a measurement depends on: the versions of Python, torch and
+    transformers, and parabench's own code (every module of the package, hashed), so
+    that no change to any of them ever reads a step taken before it."""
+    import hashlib
+    import importlib.metadata
+    import pathlib
+    import platform
+
+    import parabench
+
+    h = hashlib.sha256()
+    for package in ("torch", "transformers"):
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+            h.update(f"{package} {importlib.metadata.version(package)}\n".encode())
+    h.update(f"{platform.python_version()} {torch.__version__}\n".encode())
+    root = pathlib.Path(parabench.__file__).parent
+    for path in sorted(root.rglob("*.py")):
+        h.update(str(path.relative_to(root)).encode())
+        h.update(path.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def _cache_path(key: tuple) -> str | None:
+    """The file of `key`'s measurement (its model and probe, whose reprs name every
+    field), or None where no cache is set."""
+    import hashlib
+
+    if not (root := os.environ.get(CACHE_ENV)):
+        return None
+    name = hashlib.sha256(repr(key).encode()).hexdigest()
+    return os.path.join(root, _code_stamp(), name[:2], f"{name}.pickle")
+
+
+def _stored(key: tuple) -> Measured | None:
+    """`key`'s measurement from the cache, if it is there and is `key`'s."""
+    import pickle
+
+    if (path := _cache_path(key)) is None:
+        return None
+    try:
+        with open(path, "rb") as f:
+            stored_key, m = pickle.load(f)
+    except (OSError, EOFError, pickle.UnpicklingError, AttributeError, ImportError):
+        return None  # none, or unreadable: measured again
+    return m if stored_key == key else None
+
+
+def _store(key: tuple, m: Measured) -> None:
+    """Keep `key`'s measurement in the cache, written whole or not at all (workers
+    measuring side by side may write the same key)."""
+    import pickle
+    import tempfile
+
+    if (path := _cache_path(key)) is None:
+        return
+    folder = os.path.dirname(path)
+    try:
+        os.makedirs(folder, exist_ok=True)
+        with tempfile.NamedTemporaryFile("wb", dir=folder, delete=False) as f:
+            pickle.dump((key, m), f)
+        os.replace(f.name, path)
+    except OSError:  # a cache that cannot be written costs only the next search's time
+        with contextlib.suppress(OSError, NameError):
+            os.unlink(f.name)
 
 
 def _shards(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[Shard, float]:
@@ -1453,18 +1566,18 @@ def extended(low: Measured, high: Measured, blocks: int) -> Measured:
         return a + (b - a) * k
 
     ops = collections.Counter()
-    for op in set(low.work.ops) | set(high.work.ops):
+    for op in _union(low.work.ops, high.work.ops):
         if n := line(low.work.ops.get(op, 0), high.work.ops.get(op, 0)):
             ops[op] = n
     comm = {}
-    for dim in set(low.work.comm_by_dim) | set(high.work.comm_by_dim):
+    for dim in _union(low.work.comm_by_dim, high.work.comm_by_dim):
         lo, hi = low.work.comm_by_dim.get(dim, {}), high.work.comm_by_dim.get(dim, {})
         comm[dim] = {
             op: {
                 f: line(lo.get(op, {}).get(f, 0.0), hi.get(op, {}).get(f, 0.0))
                 for f in ("count", "bytes")
             }
-            for op in set(lo) | set(hi)
+            for op in _union(lo, hi)
         }
     # each part's peak on its own line: the deeper step's peak is the largest of them
     # (at a few blocks it may be another part's, with a smaller slope)
@@ -1507,11 +1620,18 @@ def extended(low: Measured, high: Measured, blocks: int) -> Measured:
     )
 
 
+def _union(a, b) -> list:
+    """The keys of `a`, then those of `b` it lacks, in order: a set's order follows the
+    strings' hashes, which Python seeds afresh in every process, and sums in it differ
+    in their last bits from one process (or cache, `_stored`) to the next."""
+    return list(dict.fromkeys([*a, *b]))
+
+
 def _line_dict(
     low: dict, high: dict, line: Callable[[float, float], float], kind: type = float
 ) -> dict:
     """Each key's value on `line` (missing: 0), as `kind`."""
-    return {k: kind(line(low.get(k, 0), high.get(k, 0))) for k in set(low) | set(high)}
+    return {k: kind(line(low.get(k, 0), high.get(k, 0))) for k in _union(low, high)}
 
 
 # The first depth a stage is measured at: below it the step's peak falls elsewhere (at
