@@ -43,6 +43,7 @@ import functools
 import itertools
 import math
 import os
+import pathlib
 import signal
 import statistics
 import sys
@@ -69,6 +70,7 @@ from parabench.ops import BY_C10D
 from parabench.predict import allocator
 from parabench.process import runtime
 from parabench.process.runtime import NamedMesh
+from parabench.records import atomic_write_bytes
 from parabench.run import peak
 from parabench.spec import ModelSpec
 from parabench.strategies import checkpointing
@@ -1355,7 +1357,6 @@ def _code_stamp() -> str:
     that no change to any of them ever reads a step taken before it."""
     import hashlib
     import importlib.metadata
-    import pathlib
     import platform
 
     import parabench
@@ -1401,19 +1402,12 @@ def _store(key: tuple, m: Measured) -> None:
     """Keep `key`'s measurement in the cache, written whole or not at all (workers
     measuring side by side may write the same key)."""
     import pickle
-    import tempfile
 
     if (path := _cache_path(key)) is None:
         return
-    folder = os.path.dirname(path)
-    try:
-        os.makedirs(folder, exist_ok=True)
-        with tempfile.NamedTemporaryFile("wb", dir=folder, delete=False) as f:
-            pickle.dump((key, m), f)
-        os.replace(f.name, path)
-    except OSError:  # a cache that cannot be written costs only the next search's time
-        with contextlib.suppress(OSError, NameError):
-            os.unlink(f.name)
+    # a cache that cannot be written costs only the next search's time
+    with contextlib.suppress(OSError):
+        atomic_write_bytes(pathlib.Path(path), pickle.dumps((key, m)))
 
 
 def _shards(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[Shard, float]:
