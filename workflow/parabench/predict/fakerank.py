@@ -878,40 +878,19 @@ def timed(spec: ModelSpec, probe: Probe, ranks: int = 1) -> dict[str, float]:
     if ranks < 2 or _forks_run_autograd():
         return _timed_here(spec, probe, ranks)
     import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
 
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload([__name__])
-    receive, send = ctx.Pipe(duplex=False)
-    cores = sorted(os.sched_getaffinity(0))  # this process's, not the forkserver's
-    # not a daemon: one may not fork the copies it times beside
-    proc = ctx.Process(target=_timed_there, args=(spec, probe, ranks, cores, send))
-    proc.start()
-    send.close()
-    try:
-        ok, got = receive.recv()
-    except EOFError:
-        proc.join()
-        raise RuntimeError(
-            f"fakerank.timed: its process ended with exit code {proc.exitcode}"
-        ) from None
-    finally:
-        receive.close()
-        proc.join(timeout=_BESIDE_START_S)
-        if proc.is_alive():  # interrupted, or answered and does not end
-            proc.kill()
-            proc.join()
-    if not ok:
-        raise RuntimeError(f"fakerank.timed, in a fresh process: {got}")
-    return got
-
-
-def _timed_there(spec: ModelSpec, probe: Probe, ranks: int, cores: list[int], send) -> None:
-    """`_timed_here` in a process of `timed`'s: its phases, or its failure's text."""
-    try:
-        os.sched_setaffinity(0, cores)
-        send.send((True, _timed_here(spec, probe, ranks)))
-    except Exception as e:
-        send.send((False, f"{type(e).__name__}: {e}"))
+    # its workers are no daemons, so they may fork the copies; bound to this process's
+    # cores, not the forkserver's
+    cores = sorted(os.sched_getaffinity(0))
+    with ProcessPoolExecutor(1, ctx, initializer=os.sched_setaffinity, initargs=(0, cores)) as one:
+        try:
+            return one.submit(_timed_here, spec, probe, ranks).result()
+        except Exception as e:
+            why = f"{type(e).__name__}: {e}"
+            raise RuntimeError(f"fakerank.timed, in a fresh process: {why}") from e
 
 
 _FORKS_REFUSE = False  # once refused, for good: nothing undoes a backward
