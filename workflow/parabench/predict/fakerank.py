@@ -621,8 +621,10 @@ class Measured:
     work: Work
     boundary_bytes: int  # one micro-batch's activations leaving the last block
     blocks: int
-    saved_bytes: int = 0  # activations saved for backward when the forward ends
-    block_saved_bytes: int = 0  # of which the repeated blocks saved (not the head's)
+    # what the forward made and still holds as it ends, parameters aside: what a
+    # micro-batch in flight holds (PeakTracker.in_flight)
+    saved_bytes: int = 0
+    block_saved_bytes: int = 0  # of which the repeated blocks made (not the head's)
     extended_from: tuple[int, int] | None = None  # the depths it was extended from
     # FSDP's sharded parameters, by shape (Shard: how many), and the dp_shard they were
     # measured at: what `at_shard` derives another dp_shard's rank from
@@ -1103,6 +1105,7 @@ def _in_shadow() -> bool:
 
 @functools.cache
 def _tracker_class() -> type:
+    from torch.distributed._tools.common_utils import get_untyped_storages
     from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker
 
     _shadows()
@@ -1122,10 +1125,17 @@ def _tracker_class() -> type:
             # with its categories: what `extended` extends part by part
             self.where: Callable[[], tuple[str, str]] | None = None
             self.part_peaks: dict[tuple[str, str], tuple[int, dict]] = {}
+            # each storage the forward makes, by its info (held: an id is not reused),
+            # with the part that made it (`in_flight`)
+            self.made: dict[int, tuple[object, str]] = {}
 
         def _update_snap(self, u_type, winfo, old_mem_consumed=None, old_reftype=None):
             super()._update_snap(u_type, winfo, old_mem_consumed, old_reftype)
             kind = u_type.name
+            if kind == "ADD" and self.where is not None:
+                phase, part = self.where()
+                if phase == FORWARD:
+                    self.made[id(winfo)] = (winfo, part)
             if kind == "ADD" or (kind == "SIZE" and winfo.mem_consumed > 0):
                 self.events.append(("malloc", id(winfo), winfo.mem_consumed))
             elif kind in ("DEL", "SIZE"):
@@ -1138,6 +1148,23 @@ def _tracker_class() -> type:
             if func is _DEVICE or _in_shadow():
                 return func(*args, **(kwargs or {}))
             return super().__torch_dispatch__(func, types, args, kwargs)
+
+        def in_flight(self, module: nn.Module) -> tuple[int, int]:
+            """What the forward made that is still held as it ends (call it there),
+            the parameters aside (FSDP's unsharded copies, which ZeRO-2 keeps): in all,
+            and of it what the repeated blocks made. A pipeline's stage holds this for
+            each micro-batch in flight, whatever it holds once. Why not the tracker's
+            activations: its categories move a storage to the parameters when a module
+            first uses it, so FSDP's gathers into one block and frees of another made a
+            block's activations negative under full checkpointing."""
+            params = {id(st) for p in module.parameters() for st in get_untyped_storages(_local(p))}
+            held = [
+                (winfo.mem_consumed, self.made[id(winfo)][1])
+                for st, (winfo, _) in list(self._WINFO.items())
+                if id(winfo) in self.made and id(st) not in params
+            ]
+            blocks = sum(n for n, part in held if part in _BLOCK_PARTS)
+            return sum(n for n, _ in held), blocks
 
         def _update_peak_stats(self, peak_state) -> None:
             part = self.where() if self.where is not None else None
@@ -1191,6 +1218,10 @@ def total_tracker_class() -> type:
     return TotalTracker
 
 
+# The parts of a step (`_parts`) in which the repeated blocks run.
+_BLOCK_PARTS = ("first", "inner", "last")
+
+
 def _parts(tracker, blocks: list[nn.Module], counting: Counting) -> Callable[[], tuple[str, str]]:
     """Which part of the step an op runs in: the optimizer; or the forward or the
     backward, in the first, last or an inner block, or outside them, before or after
@@ -1240,8 +1271,14 @@ def measure(spec: ModelSpec, probe: Probe) -> Measured:
         hooks = linears(r.module, r.model.blocks(), counting)
         # the repeated blocks: a sequential model's embedding and head are outside them
         tracker.where = _parts(tracker, checkpointing.repeated(r.model.blocks()), counting)
+        held: list[tuple[int, int]] = []
+
+        def lap(phase: str) -> None:
+            if phase == FORWARD:
+                held.append(tracker.in_flight(r.module))
+
         with hooks as weights, tracker, counting:
-            step(r, counting)
+            step(r, counting, lap)
         peak = tracker.get_tracker_snapshot("peak")
         shards = _shards(r.module, r.optimizer)
         params = sum(p.numel() for p in r.module.parameters())
@@ -1255,8 +1292,7 @@ def measure(spec: ModelSpec, probe: Probe) -> Measured:
         counting.work,
         r.boundary[0],
         len(r.model.blocks()),
-        _saved(tracker),
-        _saved(tracker, checkpointing.repeated(r.model.blocks())),
+        *held[0],
         shards=shards,
         sharded_at=probe.layout.dp_shard,
         reserved_bytes=allocator.replay(tracker.events).peak_reserved,
@@ -1502,31 +1538,6 @@ def derivable(m: Measured) -> bool:
     """Whether `at_shard` holds for `m`: its peak holds no gradients (which appear over
     the backward, so with another dp_shard the peak could fall at another moment)."""
     return not m.by_category.get("grad", 0)
-
-
-def _saved(tracker, modules: list[nn.Module] | None = None) -> int:
-    """Activations saved for backward at the end of the forward: the largest of the
-    tracked modules' (the outermost one's), as ranks.saved_activations reads it; or,
-    given `modules`, what their forwards added (each one's at its end less at its
-    start): what each micro-batch a pipeline's stage holds in flight adds."""
-    from torch.distributed._tools.mem_tracker import _MemRefType, _ModState
-
-    def act(module, state) -> int:
-        taken = tracker.memory_tracking[module].snapshots.get(state, [])
-        return sum(snap.get(_MemRefType.ACT, 0) for snap in taken[-1].values()) if taken else 0
-
-    if modules is not None:
-        return sum(act(m, _ModState.POST_FW) - act(m, _ModState.PRE_FW) for m in modules)
-    return max(
-        (
-            snap.get(_MemRefType.ACT, 0)
-            for state in tracker.memory_tracking.values()
-            if hasattr(state, "snapshots")
-            for taken in state.snapshots.get(_ModState.POST_FW, [])
-            for snap in taken.values()
-        ),
-        default=0,
-    )
 
 
 def extended(low: Measured, high: Measured, blocks: int) -> Measured:
