@@ -479,6 +479,32 @@ def test_one_given_layout_is_priced_as_the_search_prices_it(advised, tmp_path):
     assert bad.stderr.startswith("parabench advise: --layout: the global batch of 16")
 
 
+def test_a_given_layout_whose_rank_fails_says_why_in_its_row_and_its_line(tmp_path, monkeypatch):
+    """A `--layout` whose fake step fails prices nothing: its row is `failed` with the
+    error, and its line says so, not a step of nan seconds that "does not fit"."""
+
+    def fails(spec, probe):
+        raise RuntimeError("no such kernel")
+
+    monkeypatch.setattr(fakerank, "measure", fails)
+    said: list[str] = []
+    from parabench.config import checked
+
+    config = checked(json.loads(json.dumps(CONFIG)))
+    (row,) = advise.price(
+        config,
+        "FSDP 2, micro 2",
+        gpus.PROFILES["h100"],
+        PROFILES["h100-nvlink-ndr400"],
+        tmp_path,
+        log=said.append,
+    )
+    assert row["status"] == "failed" and "RuntimeError: no such kernel" in row["reason"]
+    assert said[-1].startswith("advise llama: FSDP 2, micro 2 x 4 on 2 GPUs: failed: ")
+    assert said[-1].endswith("RuntimeError: no such kernel") and "nan" not in said[-1]
+    assert pd.read_csv(tmp_path / advise.LAYOUT_CSV)["status"].tolist() == ["failed"]
+
+
 def test_a_layout_is_priced_alike_to_the_bit_in_every_process(tmp_path):
     """A rank extended from two depths sums its ops in one order whatever the process:
     Python seeds string hashes afresh in each, and sums taken in a set's order differed
