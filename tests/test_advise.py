@@ -23,6 +23,7 @@ import re
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 
 import pandas as pd
 import pytest
@@ -129,6 +130,47 @@ def test_a_deep_stage_measured_at_a_few_depths_is_the_stage_measured_whole(shape
         assert ext.work.recompute_flops == pytest.approx(whole.work.recompute_flops)
         assert _flat(ext.work.comm_by_dim) == pytest.approx(_flat(whole.work.comm_by_dim))
     assert fakerank._SETTLED, "the first option's depth was kept for the second"
+
+
+def test_an_op_between_two_running_blocks_is_the_part_of_the_one_entered_last():
+    """As one block's backward hands its input's gradient to the next, both are
+    running; the op is the part of the block entered last (the forward's deeper, the
+    backward's shallower), whatever order the set of running names iterates in: that
+    order follows the names' hashes, and with it each part's line zigzagged with the
+    depth and never settled (Llama 3.1 70B under FSDP 2 took 24 depths, not 3)."""
+    from types import SimpleNamespace
+
+    def parts(n: int, phase_of: Callable[[], tuple[str, str]]) -> list[tuple[str, str]]:
+        seen = []
+        for model in range(30):  # 30 sets of names: a lucky order cannot pass them all
+            blocks = [torch.nn.Identity() for _ in range(n)]
+            names = {b: f"m{model}.layers.{i}" for i, b in enumerate(blocks)}
+            mods = SimpleNamespace(parents=set(), get_known_fqn=names.get)
+            where = fakerank._parts(
+                SimpleNamespace(_mod_tracker=mods), blocks, SimpleNamespace(phase="")
+            )
+            for pair in ((0, 1), (n - 2, n - 1)):
+                mods.parents = {names[blocks[i]] for i in pair}
+                seen.append(phase_of(where))
+        return seen
+
+    forward = parts(6, lambda where: where())
+    assert forward == [("forward", "inner"), ("forward", "last")] * 30
+
+    backward = []
+
+    class InBackward(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            backward.extend(parts(6, lambda where: where()))
+            return grad
+
+    InBackward.apply(torch.zeros(1, requires_grad=True)).sum().backward()
+    assert backward == [("backward", "first"), ("backward", "inner")] * 30
 
 
 def _second_forward_adds(probe: fakerank.Probe) -> int:

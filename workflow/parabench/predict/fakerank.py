@@ -1243,11 +1243,17 @@ def _parts(tracker, blocks: list[nn.Module], counting: Counting) -> Callable[[],
             names = [mods.get_known_fqn(b) for b in blocks]
             index.update((n, i) for i, n in enumerate(names) if n is not None)
             named = None not in names
-        for name in mods.parents:
-            if (i := index.get(name)) is not None:
-                ran.add(phase)
-                last = len(blocks) - 1
-                return (phase, "first" if i == 0 else "last" if i == last else "inner")
+        # Two blocks can be running at once, as one's backward hands its input's
+        # gradient to the next: the one entered last (the forward's deeper, the
+        # backward's shallower) is the part, not whichever the set of names yields
+        # first, which follows the names' hashes and so the depth (its lines then
+        # zigzag and never settle: `_settled`)
+        running = [i for name in mods.parents if (i := index.get(name)) is not None]
+        if running:
+            ran.add(phase)
+            i = min(running) if phase == BACKWARD else max(running)
+            last = len(blocks) - 1
+            return (phase, "first" if i == 0 else "last" if i == last else "inner")
         return (phase, "after" if phase in ran else "before")
 
     return where
