@@ -487,3 +487,30 @@ def test_auto_on_a_cuda_build_gets_the_doctors_gpu_checks(monkeypatch, tmp_path)
     found = {c.name: c for c in doctor.run_checks(config, tmp_path, gpus=True)}
     assert "gpus" in found, sorted(found)
     assert found["gpus"].status == doctor.FAIL and "0 visible" in found["gpus"].detail
+
+
+def test_the_nocomm_gather_fills_every_slot_with_its_shard_in_one_copy():
+    """The no-communication group's all-gather puts this rank's shard in every slot
+    with one copy, not one a peer: the rank's step counts the group's copies as its
+    compute, and on a GPU each is a kernel launch (the H200's plan.csv grew FSDP's
+    step 29% from world 8 to 64 with a copy a peer). An output that is not contiguous
+    (no view of it by slot) is filled slot by slot."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from parabench.process.nocomm import LocalGroup
+
+    class Copies(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Copies.n += func is torch.ops.aten.copy_.default
+            return func(*args, **(kwargs or {}))
+
+    group, shard = LocalGroup(1, 64), torch.arange(6.0).reshape(2, 3)
+    out = torch.full((128, 3), float("nan"))
+    with Copies():
+        group._allgather_base(out, shard).wait()
+    assert Copies.n == 1 and torch.equal(out, shard.repeat(64, 1))
+    transposed = torch.full((3, 128), float("nan")).t()
+    group._allgather_base(transposed, shard).wait()
+    assert torch.equal(transposed, shard.repeat(64, 1))
