@@ -149,3 +149,24 @@ def test_dropped_compiled_copy_is_gone_when_the_peak_is_reset(tmp_path):
     spec = tiny_spec("ddp", 1, steps=3, warmup=1, profile_steps=1, compile=True)
     copy, at_reset = alive_at_reset(spec, tmp_path)
     assert copy > 0 and at_reset[-1] == 0, f"{at_reset[-1]} of {copy} parts of the copy alive"
+
+
+def test_a_rank_measured_alone_counts_its_peak_from_its_steps_not_its_build(monkeypatch):
+    """As a cell's (run/cell.py), a rank measured alone (ranks.csv, plan.csv) resets
+    the CUDA high-water mark once it is built: building moves the whole model onto the
+    device before sharding it (FSDP, TP, layouts), which no step holds, and counted, it
+    made a sharded layout of an 8B model look 32 GB larger than it is."""
+    order = []
+    real_build, real_step = strategies.build, rank_alone.run_step
+    monkeypatch.setattr(
+        rank_alone.strategies, "build", lambda *a: order.append("build") or real_build(*a)
+    )
+    monkeypatch.setattr(
+        rank_alone.profiling, "reset_high_water", lambda devices: order.append("reset")
+    )
+    monkeypatch.setattr(
+        rank_alone, "run_step", lambda *a, **k: order.append("step") or real_step(*a, **k)
+    )
+    got = rank_alone.rank_of(tiny_spec("fsdp", 2), threads=1)
+    assert got["status"] == "ok", got
+    assert "reset" in order[order.index("build") : order.index("step")], order

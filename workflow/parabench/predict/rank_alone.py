@@ -82,6 +82,9 @@ def rank_of(spec: RunSpec, threads: int, rank: int = 0) -> dict:
         per_rank = spec.global_batch // strategy.shard.count
         batches = SyntheticBatches(model, per_rank, spec.seed, Shard(0, 1), strategy.data_device)
         sync = synchronizer(strategy.devices())
+        # the rank's peak from its steps, as a cell's (run/cell.py): building it moved
+        # the whole model onto its device before sharding it, which no step holds
+        profiling.reset_high_water(strategy.devices())
         fault = faults.for_cell(spec.model_name, spec.strategy, world, 0, rank)
         times = []
         for step in range(ALONE_STEPS + ALONE_WARMUP):
