@@ -306,7 +306,7 @@ class Held:
 def held(c: Candidate, m) -> Held:
     """The moment of `c`'s pipeline schedule where its first rank holds most
     (`_held_points`), as the measured micro-batch's step `m` prices each: a micro-batch
-    in flight holds what the stage's blocks saved for one (m.block_saved_bytes); with
+    in flight holds what the stage's blocks and its input saved for one (`in_flight`); with
     FSDP, each stage's gradients are held whole between its first backward and its
     last. torch's PipelineStage turns FSDP's gradient sync and resharding off for every
     backward (set_requires_gradient_sync(False), set_reshard_after_backward(False):
@@ -328,7 +328,14 @@ def held(c: Candidate, m) -> Held:
         Held(acts - 1, max(int(share * whole) - measured_grads, 0) if share else 0)
         for acts, share in _held_points(lay.schedule, lay.pp, c.accumulation)
     ]
-    return max(points, key=lambda h: h.micro_batches * m.block_saved_bytes + h.grads)
+    return max(points, key=lambda h: h.micro_batches * in_flight(m) + h.grads)
+
+
+def in_flight(m) -> int:
+    """What each micro-batch in flight holds on a pipeline's first stage: what the
+    forward made before the blocks (the embedding's output, which the first block saves
+    under full AC) and in them, and still holds as it ends (PeakTracker.in_flight)."""
+    return m.block_saved_bytes + m.input_saved_bytes
 
 
 def collectives(m, lay: Layout, float8: bool = False) -> dict:
@@ -654,7 +661,7 @@ class Search:
             return {**row, "status": "failed", "reason": m}
         # the first stage's other micro-batches in flight: what its blocks saved for each
         kept = held(c, m)
-        extra, accumulated = int(kept.micro_batches * m.block_saved_bytes), kept.grads
+        extra, accumulated = int(kept.micro_batches * in_flight(m)), kept.grads
         peak = m.peak_bytes + extra + accumulated
         how = f"measured at {m.blocks} blocks"
         if m.extended_from:

@@ -643,6 +643,9 @@ class Measured:
     parts: dict[tuple[str, str], tuple[int, dict[str, int]]] = dataclasses.field(
         default_factory=dict
     )
+    # of `saved_bytes`, what the forward made before the blocks (the embedding's output,
+    # the positions): a pipeline's first stage holds it for each micro-batch in flight
+    input_saved_bytes: int = 0
 
     @property
     def linear_share(self) -> float:
@@ -1149,22 +1152,27 @@ def _tracker_class() -> type:
                 return func(*args, **(kwargs or {}))
             return super().__torch_dispatch__(func, types, args, kwargs)
 
-        def in_flight(self, module: nn.Module) -> tuple[int, int]:
+        def in_flight(self, module: nn.Module) -> tuple[int, int, int]:
             """What the forward made that is still held as it ends (call it there),
             the parameters aside (FSDP's unsharded copies, which ZeRO-2 keeps): in all,
-            and of it what the repeated blocks made. A pipeline's stage holds this for
-            each micro-batch in flight, whatever it holds once. Why not the tracker's
-            activations: its categories move a storage to the parameters when a module
-            first uses it, so FSDP's gathers into one block and frees of another made a
-            block's activations negative under full checkpointing."""
+            of it what the repeated blocks made, and what the forward made before them.
+            A pipeline's stage holds this for each micro-batch in flight, whatever it
+            holds once; autocast's bf16 copies of the weights count, as each
+            micro-batch of a stage makes and saves its own (its autocast is entered per
+            micro-batch: strategies/pipeline.py). Why not the tracker's activations:
+            its categories move a storage to the parameters when a module first uses
+            it, so FSDP's gathers into one block and frees of another made a block's
+            activations negative under full checkpointing."""
             params = {id(st) for p in module.parameters() for st in get_untyped_storages(_local(p))}
             held = [
                 (winfo.mem_consumed, self.made[id(winfo)][1])
                 for st, (winfo, _) in list(self._WINFO.items())
                 if id(winfo) in self.made and id(st) not in params
             ]
+            self.made = {}  # nothing later is asked of it
             blocks = sum(n for n, part in held if part in _BLOCK_PARTS)
-            return sum(n for n, _ in held), blocks
+            before = sum(n for n, part in held if part == "before")
+            return sum(n for n, _ in held), blocks, before
 
         def _update_peak_stats(self, peak_state) -> None:
             part = self.where() if self.where is not None else None
@@ -1277,7 +1285,7 @@ def measure(spec: ModelSpec, probe: Probe) -> Measured:
         hooks = linears(r.module, r.model.blocks(), counting)
         # the repeated blocks: a sequential model's embedding and head are outside them
         tracker.where = _parts(tracker, checkpointing.repeated(r.model.blocks()), counting)
-        held: list[tuple[int, int]] = []
+        held: list[tuple[int, int, int]] = []
 
         def lap(phase: str) -> None:
             if phase == FORWARD:
@@ -1298,7 +1306,8 @@ def measure(spec: ModelSpec, probe: Probe) -> Measured:
         counting.work,
         r.boundary[0],
         len(r.model.blocks()),
-        *held[0],
+        *held[0][:2],
+        input_saved_bytes=held[0][2],
         shards=shards,
         sharded_at=probe.layout.dp_shard,
         reserved_bytes=allocator.replay(tracker.events).peak_reserved,
@@ -1607,6 +1616,7 @@ def extended(low: Measured, high: Measured, blocks: int) -> Measured:
         # blocks the reserve still absorbs what a block adds: not a line to extend)
         reserved_bytes=peak + max(high.reserved_bytes - high.peak_bytes, 0),
         parts=parts,
+        input_saved_bytes=int(line(low.input_saved_bytes, high.input_saved_bytes)),
     )
 
 

@@ -82,9 +82,6 @@ def rank_of(spec: RunSpec, threads: int, rank: int = 0) -> dict:
         per_rank = spec.global_batch // strategy.shard.count
         batches = SyntheticBatches(model, per_rank, spec.seed, Shard(0, 1), strategy.data_device)
         sync = synchronizer(strategy.devices())
-        # the rank's peak from its steps, as a cell's (run/cell.py): building it moved
-        # the whole model onto its device before sharding it, which no step holds
-        profiling.reset_high_water(strategy.devices())
         fault = faults.for_cell(spec.model_name, spec.strategy, world, 0, rank)
         times = []
         for step in range(ALONE_STEPS + ALONE_WARMUP):
@@ -97,6 +94,10 @@ def rank_of(spec: RunSpec, threads: int, rank: int = 0) -> dict:
         # Each mesh dimension's group counts its own (a 1-D strategy's one dimension is
         # the world): the bytes per dimension, and their sum per op.
         groups = ctx.named_mesh().groups() if ctx.meshes else {_one_dim(spec): ctx.group}
+        # the rank's peak is its counted step's, as a cell's (run/cell.py): not its
+        # build's, which moved the whole model onto its device before sharding it, nor
+        # its warm-up's (FSDP's lazy init, compile's workspaces)
+        profiling.reset_high_water(strategy.devices())
         with nocomm.counting_each(groups) as by_dim:
             counted = profiling.StepProfiler(ctx).count(
                 lambda: run_step(strategy, batches, ALONE_STEPS + ALONE_WARMUP, sync), shapes=False
