@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 
 from conftest import tiny_spec
-from parabench.predict import fakerank
+from parabench.predict import advise, fakerank
 from parabench.predict.rank_alone import rank_of
 from parabench.spec import ModelSpec
 
@@ -61,3 +61,32 @@ def test_a_cells_rank_and_advises_rank_of_one_layout_agree(strategy, options):
     assert counted == measured
     assert {d for d, _ in measured} == set(layout.declared()) - {"pp"}
     assert fake.peak_bytes == pytest.approx(cell["peak_memory_bytes"], rel=MEMORY_REL)
+
+
+@pytest.mark.parametrize("strategy", ["fsdp_pp", "ddp_pp"])
+def test_a_pipelines_first_stage_holds_what_advise_prices_for_each_micro_batch(strategy):
+    """The cells' own pipeline (PipelineStage under GPipe, rank 0: the embedding and the
+    first half of the blocks, on real tensors alone over the no-communication group)
+    holds, for each more micro-batch in flight, what advise prices one at
+    (`advise.in_flight`: what the stage's forward made and still holds, parameters
+    aside), measured on fake tensors: the peaks at 4 and 8 micro-batches of the same
+    size differ by 4 of them (GPipe holds every forward before any backward)."""
+    model = ModelSpec.of("gpt", vocab=512, seq_len=32, n_layer=8, n_head=4, d_model=256)
+    peaks = []
+    for m in (4, 8):
+        spec = tiny_spec(
+            strategy,
+            4,
+            model=model,
+            batch_size=4 * m,  # 2 samples a micro-batch over 2 data-parallel ranks
+            optimizer="adamw",
+            pp=2,
+            microbatches=m,
+            schedule="gpipe",
+        )
+        cell = rank_of(spec, threads=1)
+        assert cell["status"] == "ok", cell["reason"]
+        peaks.append(cell["peak_memory_bytes"])
+    probe = fakerank.Probe(spec.layout, micro=2, precision=spec.precision, blocks=4)
+    priced = advise.in_flight(fakerank.measure(model, probe))
+    assert (peaks[1] - peaks[0]) / 4 == pytest.approx(priced, rel=0.01), (peaks, priced)
