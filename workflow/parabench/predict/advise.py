@@ -659,7 +659,7 @@ class Search:
         m = self.measured(c, stage)
         if isinstance(m, str):
             return {**row, "status": "failed", "reason": m}
-        # the first stage's other micro-batches in flight: what its blocks saved for each
+        # the first stage's other micro-batches in flight, and its gradients held whole
         kept = held(c, m)
         extra, accumulated = int(kept.micro_batches * in_flight(m)), kept.grads
         peak = m.peak_bytes + extra + accumulated

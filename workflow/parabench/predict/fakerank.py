@@ -1294,6 +1294,7 @@ def measure(spec: ModelSpec, probe: Probe) -> Measured:
         with hooks as weights, tracker, counting:
             step(r, counting, lap)
         peak = tracker.get_tracker_snapshot("peak")
+        saved, block_saved, input_saved = held[0]
         shards = _shards(r.module, r.optimizer)
         params = sum(p.numel() for p in r.module.parameters())
     at = next(iter(peak.values())) if peak else {}
@@ -1306,8 +1307,9 @@ def measure(spec: ModelSpec, probe: Probe) -> Measured:
         counting.work,
         r.boundary[0],
         len(r.model.blocks()),
-        *held[0][:2],
-        input_saved_bytes=held[0][2],
+        saved,
+        block_saved,
+        input_saved_bytes=input_saved,
         shards=shards,
         sharded_at=probe.layout.dp_shard,
         reserved_bytes=allocator.replay(tracker.events).peak_reserved,

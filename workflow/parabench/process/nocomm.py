@@ -112,12 +112,11 @@ class LocalGroup(dist.ProcessGroup):
         return _done(outputs)
 
     def _gather_into(self, output, input) -> None:
-        # one copy, not one a peer: a rank's step counts this group's copies as its
+        # One copy, not one a peer: a rank's step counts this group's copies as its
         # compute, and on a GPU each copy is a kernel launch (the H200's plan.csv:
-        # FSDP's rank 25.9 ms a step at world 8, 33.4 at 64, its 12 gathers a step
-        # then 768 copies)
-        # (FSDP2's input is a view of its own slot of the output: that slot is written
-        # with what it holds, and copy_ allows an expanded source that overlaps)
+        # FSDP's rank 25.9 ms a step at world 8, 33.4 at 64, its 12 gathers a step then
+        # 768 copies). FSDP2's input is a view of its own slot of the output, which is
+        # written with what it holds (copy_ allows an expanded source that overlaps).
         if output.is_contiguous():
             output.view(self._size, -1).copy_(input.reshape(1, -1).expand(self._size, -1))
             return
