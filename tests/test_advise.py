@@ -1539,6 +1539,43 @@ def test_a_rank_derived_at_another_dp_shard_is_the_rank_measured_there(layout, p
     assert derived.by_category["opt"] < ref.by_category["opt"] / 32
 
 
+@pytest.mark.parametrize(
+    "layout",
+    [
+        Layout(dp_shard=2, ac="full"),
+        Layout(dp_shard=2, tp=2, ac="full", sequence_parallel=True),
+        Layout(dp_shard=2, zero=2, ac="full"),
+    ],
+    ids=["fsdp", "fsdp-tp-sp", "zero2"],
+)
+def test_a_deep_rank_whose_peak_holds_gradients_is_derived_at_another_dp_shard(layout):
+    """A rank extended to 9 blocks whose peak holds gradients: their chunks appear
+    block by block over the backward and shrink with dp_shard, so at another dp_shard
+    the peak can fall at another moment. Derived depth by depth (fakerank.derived: each
+    measured depth's parts at whichever moment of their frontier holds most there, then
+    extended), it is the rank measured at dp_shard 8 and 16 and extended alike, and the
+    rank measured whole at 9 blocks: the peak, its split and every part to the byte."""
+    probe = fakerank.Probe(layout, micro=2)
+    m = fakerank.at_blocks(LLAMA, probe, 9)
+    assert m.extended_from and not fakerank.derivable(m)
+    with pytest.raises(ValueError, match="depth by depth"):
+        fakerank.at_shard(m, 8)
+    for shard in (8, 16):
+        at = probe.replace(layout=layout.replace(dp_shard=shard))
+        derived = fakerank.derived(LLAMA, probe, m, shard)
+        measured = fakerank.at_blocks(LLAMA, at, 9)
+        whole = fakerank.measure(LLAMA, at.replace(blocks=9))
+        assert derived.peak_bytes == measured.peak_bytes == whole.peak_bytes, shard
+        assert derived.by_category == measured.by_category == whole.by_category
+        assert derived.parts == measured.parts
+        assert (derived.derived_from, derived.sharded_at) == (2, shard)
+        # the peak moved as no single moment of the reference's would: what moving its
+        # peak by the chunks and their state alone (at_shard of a peak without
+        # gradients) says is not it
+        alone = dataclasses.replace(m, by_category={**m.by_category, "grad": 0})
+        assert fakerank.at_shard(alone, shard).peak_bytes != derived.peak_bytes
+
+
 def test_the_search_derived_from_reference_ranks_is_the_full_search():
     """advise measures each rank shape once, at dp_shard 2 (advise.reference), and
     derives every other data-parallel degree; a search that measures every candidate's
@@ -1568,6 +1605,10 @@ def test_the_search_derived_from_reference_ranks_is_the_full_search():
         assert derived[col].astype(str).tolist() == full[col].astype(str).tolist(), col
     assert derived["rank"].eq(1).sum() == 1 and (derived["status"] == "inferred").any()
     assert {False, True} <= set(derived["fits"].dropna())
+    # among the derived: ranks whose peak holds gradients (fakerank.derived's frontiers)
+    from_ref = derived["memory_source"].astype(str).str.contains("derived from its rank")
+    alone = ~derived.index.get_level_values("layout").str.contains("PP")
+    assert (from_ref & alone & derived["grad_bytes"].gt(0)).any()
     for col in ("step_s", "memory_bytes", "comm_s", "comm_hidden_s", "compute_s", "mfu"):
         pd.testing.assert_series_equal(derived[col], full[col], rtol=1e-6, check_names=False)
     assert tables[True, "steps"] < tables[False, "steps"]

@@ -604,8 +604,7 @@ class Search:
 
     def measured(self, c: Candidate, blocks: int | None):
         """The rank of `c` (its stage): derived from its reference's (`reference`),
-        measured once, or measured itself where the derivation does not hold
-        (fakerank.derivable); an exception's text where it failed."""
+        measured once (fakerank.derived); an exception's text where it failed."""
         from parabench.predict import fakerank
 
         probe = _probe(c, self.precision, self.optimizer)
@@ -616,12 +615,10 @@ class Search:
         lay = probe.layout
         if lay.dp_shard == 1:  # DDP: its replicas are alike
             return m
-        if fakerank.derivable(m) or lay.dp_shard == ref.layout.dp_shard:
-            try:
-                return fakerank.at_shard(m, lay.dp_shard, lay.dp_replicate)
-            except ValueError as e:  # a row that says why
-                return _why(e)
-        return self._measured(c, probe, blocks)
+        try:
+            return fakerank.derived(self.specs[c.model], ref, m, lay.dp_shard, lay.dp_replicate)
+        except ValueError as e:  # a row that says why
+            return _why(e)
 
     def _measured(self, c: Candidate, probe, blocks: int | None):
         from parabench.predict import fakerank

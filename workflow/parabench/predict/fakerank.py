@@ -646,6 +646,13 @@ class Measured:
     # of `saved_bytes`, what the forward made before the blocks (the embedding's output,
     # the positions): a pipeline's first stage holds it for each micro-batch in flight
     input_saved_bytes: int = 0
+    # of a measured FSDP rank, each part of the backward and optimizer: the moments
+    # that could be its peak at another dp_shard, as (total, categories, the chunks of
+    # gradients held: ((Shard, bytes per element), how many) pairs, the optimizer's
+    # temporaries' bytes) (`_frontiers`)
+    frontiers: dict[tuple[str, str], tuple[tuple[int, dict[str, int], tuple, int], ...]] = (
+        dataclasses.field(default_factory=dict)
+    )
 
     @property
     def linear_share(self) -> float:
@@ -1131,6 +1138,9 @@ def _tracker_class() -> type:
             # each storage the forward makes, by its info (held: an id is not reused),
             # with the part that made it (`in_flight`)
             self.made: dict[int, tuple[object, str]] = {}
+            # where set (a list), every moment of the backward and the optimizer: its
+            # part, total, events so far and categories (`_frontiers`)
+            self.series: list | None = None
 
         def _update_snap(self, u_type, winfo, old_mem_consumed=None, old_reftype=None):
             super()._update_snap(u_type, winfo, old_mem_consumed, old_reftype)
@@ -1183,6 +1193,8 @@ def _tracker_class() -> type:
                 # one device (a rank's), as `measure` reads the peak
                 if part is not None and self.part_peaks.get(part, (-1,))[0] < snap[_TOTAL_KEY]:
                     self.part_peaks[part] = (snap[_TOTAL_KEY], dict(snap))
+                if self.series is not None and part is not None and part[0] != FORWARD:
+                    self.series.append((part, snap[_TOTAL_KEY], len(self.events), dict(snap)))
 
     return PeakTracker
 
@@ -1286,10 +1298,18 @@ def measure(spec: ModelSpec, probe: Probe) -> Measured:
         # the repeated blocks: a sequential model's embedding and head are outside them
         tracker.where = _parts(tracker, checkpointing.repeated(r.model.blocks()), counting)
         held: list[tuple[int, int, int]] = []
+        sharded = probe.layout.dp_shard > 1
+        if sharded:  # what `at_shard` derives a peak holding gradients from
+            tracker.series = []
+        grads: dict[int, tuple[int, tuple]] = {}
+        stepped = [0]  # the events before the optimizer's
 
         def lap(phase: str) -> None:
             if phase == FORWARD:
                 held.append(tracker.in_flight(r.module))
+            elif phase == BACKWARD and sharded:
+                grads.update(_chunk_grads(tracker, r.module, r.optimizer))
+                stepped[0] = len(tracker.events)
 
         with hooks as weights, tracker, counting:
             step(r, counting, lap)
@@ -1301,6 +1321,10 @@ def measure(spec: ModelSpec, probe: Probe) -> Measured:
     parts = {k: (t, _categories(snap)) for k, (t, snap) in tracker.part_peaks.items()}
     if parts and max(t for t, _ in parts.values()) != at.get("Total", 0):
         raise RuntimeError("fakerank: the step's peak is no part's peak (_parts)")
+    frontiers = _frontiers(tracker.series, tracker.events, grads, stepped[0]) if sharded else {}
+    for part, points in frontiers.items():
+        if max(p[0] for p in points) != parts[part][0]:
+            raise RuntimeError(f"fakerank: {part}'s frontier misses its peak (_frontiers)")
     _MEASURED[key] = Measured(
         int(at.get("Total", 0)),
         _categories(at),
@@ -1316,6 +1340,7 @@ def measure(spec: ModelSpec, probe: Probe) -> Measured:
         params=params,
         linear_params=weights,
         parts=parts,
+        frontiers=frontiers,
     )
     _store(key, _MEASURED[key])
     return _MEASURED[key]
@@ -1445,9 +1470,13 @@ def _store(key: tuple, m: Measured) -> None:
 def _shards(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[Shard, float]:
     """The rank's FSDP parameters by shape (Shard), read from FSDP2's own records of
     how it split each; none where no module is FSDP-sharded (dp_shard 1)."""
+    return dict(collections.Counter(shard for _, shard in _fsdp_params(module, optimizer)))
+
+
+def _fsdp_params(module: nn.Module, optimizer: torch.optim.Optimizer) -> Iterator[tuple]:
+    """Each of the rank's FSDP parameters (FSDP2's FSDPParam) and its Shard."""
     from torch.distributed.fsdp import FSDPModule
 
-    out: collections.Counter = collections.Counter()
     for mod in module.modules():
         if not isinstance(mod, FSDPModule):
             continue
@@ -1461,14 +1490,97 @@ def _shards(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[Shard, 
                 if dim != 0:
                     raise NotImplementedError(f"FSDP shards a parameter on dim {dim}")
                 rows = size[0] if len(size) else 1
-                local = fp.sharded_param.to_local()
+                local = _local(fp.sharded_param)  # no op: the tracker may be running
                 opt = sum(
                     t.element_size()
                     for t in optimizer.state.get(fp.sharded_param, {}).values()
                     if isinstance(t, torch.Tensor) and _local(t).numel() == local.numel() > 1
                 )
-                out[Shard(rows, size.numel() // max(rows, 1), local.element_size(), opt)] += 1
-    return dict(out)
+                yield fp, Shard(rows, size.numel() // max(rows, 1), local.element_size(), opt)
+
+
+def _chunk_grads(tracker, module: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    """The storages of the gradients' chunks (FSDP's reduce-scatter outputs, each
+    sharded parameter's gradient a view of one) as the backward leaves them, by their
+    tracker info's id: the index of the event that made each (an id can be an earlier,
+    freed info's), and the chunks in it as ((Shard, bytes per element), how many)."""
+    from torch.distributed._tools.common_utils import get_untyped_storages
+
+    chunks: dict[int, collections.Counter] = {}
+    for fp, shard in _fsdp_params(module, optimizer):
+        if (grad := fp.sharded_param.grad) is None:
+            continue
+        local = _local(grad)
+        for st in get_untyped_storages(local):
+            if (winfo := tracker._WINFO.get(st, (None,))[0]) is not None:
+                chunks.setdefault(id(winfo), collections.Counter())[
+                    (shard, local.element_size())
+                ] += 1
+    made = {}
+    for i, (kind, wid, _) in enumerate(tracker.events):
+        if kind == "malloc" and wid in chunks:
+            made[wid] = i  # the last: the storage held now
+    return {wid: (made[wid], tuple(sorted(c.items()))) for wid, c in chunks.items() if wid in made}
+
+
+def _frontiers(series: list, events: list, grads: dict, stepped: int) -> dict:
+    """Each part of the backward and the optimizer (`PeakTracker.series`): the moments
+    that could be its peak at a larger dp_shard (`at_shard`), each as (total,
+    categories, the gradients' chunks held, the optimizer's temporaries' bytes: what
+    it made from event `stepped` on and holds, each the shape of a parameter's chunk).
+    There every moment holds what it holds here, moved by the same, less what the
+    gradients' chunks and the temporaries shrink by, plus what its unsharded
+    parameters grow by with FSDP's padding; and the chunks only accumulate until
+    zero_grad frees them. So a moment that a later one matches in what it holds
+    besides, in its parameters, in its temporaries and in the chunks is never the
+    peak: what is left is the part's peak here and the few moments before it holding
+    more besides fewer chunks (each block's backward adds its chunks once)."""
+    from torch.distributed._tools.mem_tracker import _MemRefType
+
+    births = {i: wid for wid, (i, _) in grads.items()}
+    out: dict[tuple[str, str], list] = {}
+    live: dict[int, int] = {}  # chunk storage id -> its bytes
+    temps: dict[int, int] = {}  # the optimizer's, id -> bytes
+    held, made, seen = 0, 0, 0
+    key: frozenset = frozenset()
+    for part, total, n, snap in series:
+        if n > seen:
+            for i in range(seen, n):
+                kind, wid, size = events[i]
+                if kind == "malloc" and births.get(i) == wid:
+                    live[wid] = size
+                elif kind == "malloc" and i >= stepped:
+                    temps[wid] = size
+                elif kind == "free":
+                    live.pop(wid, None)
+                    temps.pop(wid, None)
+            seen, key = n, frozenset(live)
+            held, made = sum(live.values()), sum(temps.values())
+        now = (total - held - made, snap.get(_MemRefType.PARAM, 0), made)
+        points = out.setdefault(part, [])
+        if points and _under(now, points[-1][0]) and key <= points[-1][1]:
+            continue  # matched by the moment before (the first to hold it is the peak)
+        while points and _under(points[-1][0], now) and points[-1][1] <= key:
+            points.pop()  # matched by this moment: never the peak
+        points.append((now, key, total, snap))
+
+    def chunks(key: frozenset) -> tuple:
+        c: collections.Counter = collections.Counter()
+        for wid in key:
+            for shard, k in grads[wid][1]:
+                c[shard] += k
+        return tuple(sorted(c.items()))
+
+    return {
+        part: tuple(
+            (total, _categories(snap), chunks(key), now[2]) for now, key, total, snap in points
+        )
+        for part, points in out.items()
+    }
+
+
+def _under(a: tuple, b: tuple) -> bool:
+    return all(x <= y for x, y in zip(a, b, strict=True))
 
 
 def at_shard(m: Measured, dp_shard: int, replicas: int = 1) -> Measured:
@@ -1478,10 +1590,13 @@ def at_shard(m: Measured, dp_shard: int, replicas: int = 1) -> Measured:
     collectives) is the same; what dp_shard splits is each parameter's chunk (Shard),
     held all step:
 
-    - memory: the peak moves by the change in the sharded parameters and their
-      optimizer state. Sound where the peak holds no gradients (`derivable`): at any
-      moment the rank holds what it holds at the measured dp_shard less the sharded
-      states' change, the same at every moment, so the peak stays where it was;
+    - memory: at any moment the rank holds what it holds at the measured dp_shard,
+      moved by the change in the sharded parameters and their optimizer state (the
+      same at every moment) and in the gradients' chunks it holds then (which
+      accumulate over the backward). So a measured rank's parts each peak at the
+      moment of their frontier (`_frontiers`) that holds most there; an extended one
+      (no moments kept) only where its peak holds no gradients (`derivable`), where
+      it stays (else `derived` derives its depths);
     - communication: the dp_shard dimension's gathered and reduced buffers with the
       padded total (chunk x dp_shard);
     - HSDP: FSDP's rank, which all-reduces each reduced chunk over the replicas (the
@@ -1532,29 +1647,77 @@ def at_shard(m: Measured, dp_shard: int, replicas: int = 1) -> Measured:
         comm["dp_replicate"] = {
             "all_reduce": {"count": reduced["count"], "bytes": reduced["bytes"] / dp_shard}
         }
-    # the unsharded copies held at the peak: the parameters' bytes less their chunks
-    held = by_param = m.by_category.get("param", 0)
-    held -= total(s0, lambda k: k.row_elements * k.param_bytes)
-    d_held = max(held, 0) * (padded - 1)
-    by = dict(m.by_category)
-    by["param"] = int(by_param + d_param + d_held)
-    by["opt"] = int(by.get("opt", 0) + d_opt)
+    chunks = total(s0, lambda k: k.row_elements * k.param_bytes)
+
+    def moved(
+        held: int, by: dict[str, int], grads: tuple = (), temps: int = 0
+    ) -> tuple[int, dict[str, int]]:
+        """A moment's total and categories at dp_shard: the chunks and their optimizer
+        state moved, the unsharded copies (the parameters' bytes less their chunks)
+        grown with FSDP's padding, the gradients' chunks held moved, and the
+        optimizer's temporaries with the chunks (`_frontiers`; as its ops, by the
+        model's chunk ratio)."""
+        d_held = max(by.get("param", 0) - chunks, 0) * (padded - 1)
+        d_grad = sum(
+            n * size * k.row_elements * (math.ceil(k.rows / dp_shard) - math.ceil(k.rows / s0))
+            for (k, size), n in grads
+        )
+        d_temps = round(temps * (chunk - 1))
+        out = dict(by)
+        out["param"] = int(by.get("param", 0) + d_param + d_held)
+        out["opt"] = int(by.get("opt", 0) + d_opt + d_temps)
+        if d_grad:
+            out["grad"] = int(by.get("grad", 0) + d_grad)
+        return int(held + d_param + d_opt + d_held + d_grad + d_temps), out
+
+    parts = {}
+    if m.parts and m.extended_from is None and not m.derived_from:
+        # measured: each part at whichever of its moments peaks at dp_shard
+        for part, (held, by) in m.parts.items():
+            points = m.frontiers.get(part) or ((held, by, ()),)
+            parts[part] = max((moved(*p) for p in points), key=lambda p: p[0])
+        peak, by = max(parts.values(), key=lambda p: p[0])
+    elif derivable(m):  # extended: its peak holds no gradients, and stays where it was
+        peak, by = moved(m.peak_bytes, m.by_category)
+    else:
+        raise ValueError(
+            "at_shard: an extended rank whose peak holds gradients is derived depth by "
+            "depth (fakerank.derived)"
+        )
     return dataclasses.replace(
         m,
-        peak_bytes=int(m.peak_bytes + d_param + d_held + d_opt),
-        reserved_bytes=int(m.reserved_bytes + d_param + d_held + d_opt),
+        peak_bytes=peak,
+        reserved_bytes=int(m.reserved_bytes + peak - m.peak_bytes),
         by_category=by,
         work=Work(ops, comm),
         sharded_at=dp_shard,
         derived_from=s0,
-        parts={},  # not derived part by part: nothing extends a derived rank
+        parts=parts,
+        frontiers={},
     )
 
 
 def derivable(m: Measured) -> bool:
-    """Whether `at_shard` holds for `m`: its peak holds no gradients (which appear over
-    the backward, so with another dp_shard the peak could fall at another moment)."""
+    """Whether `at_shard` holds for `m` as extended from two depths: its peak holds no
+    gradients (which appear over the backward, so with another dp_shard the peak
+    could fall at another moment, which only a measured rank's frontiers tell)."""
     return not m.by_category.get("grad", 0)
+
+
+def derived(
+    spec: ModelSpec, probe: Probe, m: Measured, dp_shard: int, replicas: int = 1
+) -> Measured:
+    """`m`, the rank of `probe` at its blocks, at dp_shard (and for HSDP `replicas`):
+    `at_shard` of it, or where it was extended from two depths and its peak holds
+    gradients, the line through those depths each derived (at_shard of a measured rank
+    finds its peak among the moments that can peak there: `_frontiers`)."""
+    if m.extended_from is None or derivable(m):
+        return at_shard(m, dp_shard, replicas)
+    low, high = (
+        at_shard(measure(spec, probe.replace(blocks=b)), dp_shard, replicas)
+        for b in m.extended_from
+    )
+    return dataclasses.replace(extended(low, high, m.blocks), derived_from=m.sharded_at)
 
 
 def extended(low: Measured, high: Measured, blocks: int) -> Measured:
