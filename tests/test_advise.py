@@ -497,6 +497,27 @@ def test_a_search_killed_halfway_leaves_the_rows_it_decided(advised, tmp_path):
     assert re.search(r"advise llama N=4: \d+/\d+ layouts, \d+ measured, \d+ s, about", log)
 
 
+def test_the_table_written_as_rows_are_decided_is_the_table_written_whole(tmp_path):
+    """As each layout's rows are decided, advise.csv is what `write` writes of every row
+    so far, the earlier models' and N's first, though each row is encoded only once."""
+    import types
+
+    before = [{"model": "m", "gpus": 2, "layout": "DDP 2", "status": "ok", "step_s": 0.5}]
+    got = [
+        [{"model": "m", "gpus": 4, "layout": "FSDP 4", "status": "ok", "reason": 'a "b", c'}],
+        [{"model": "m", "gpus": 4, "layout": "TP 4", "status": "failed", "fits": False}],
+    ]
+    searched = types.SimpleNamespace(measurements=0)
+    progress = advise._Progress("advise m N=4", searched, 7, before, tmp_path, lambda s: None)
+    whole = tmp_path / "whole"
+    whole.mkdir()
+    for i, rows in enumerate(got):
+        progress.decided(rows, i, len(got))
+        so_far = [{**r, "params": 7} for batch in got[: i + 1] for r in batch]
+        advise.write(before + so_far, whole)
+        assert (tmp_path / "advise.csv").read_bytes() == (whole / "advise.csv").read_bytes()
+
+
 def _advise_cli(tmp_path, *extra: str, config: dict = CONFIG) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "parabench", "advise", "--config-json", json.dumps(config)]
     return subprocess.run(

@@ -232,13 +232,19 @@ def concat_rows(paths: list[Path], out: Path, columns: tuple[str, ...]) -> str:
 
 def write_rows(path: Path, columns: tuple[str, ...], rows: list[dict]) -> None:
     """A CSV of `rows` under `columns` (missing values empty, others dropped), atomically."""
+    atomic_write_bytes(path, csv_text(columns, rows).encode())
+
+
+def csv_text(columns: tuple[str, ...], rows: list[dict], header: bool = True) -> str:
+    """`rows` as write_rows writes them, with its header line or without."""
     buf = io.StringIO()
     writer = csv.DictWriter(
         buf, fieldnames=list(columns), extrasaction="ignore", lineterminator="\n"
     )
-    writer.writeheader()
+    if header:
+        writer.writeheader()
     writer.writerows(rows)
-    atomic_write_bytes(path, buf.getvalue().encode())
+    return buf.getvalue()
 
 
 def _umask() -> int:

@@ -54,7 +54,9 @@ import dataclasses
 import functools
 import json
 import math
+import os
 import re
+import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -65,7 +67,7 @@ from parabench.hardware.fabric import Fabric
 from parabench.hardware.gpus import GPU
 from parabench.layout import Layout
 from parabench.predict.scaling import layout_comm
-from parabench.records import ADVISE_COLUMNS, write_rows
+from parabench.records import ADVISE_COLUMNS, atomic_write_bytes, csv_text, write_rows
 from parabench.spec import ModelSpec
 
 if TYPE_CHECKING:  # fakerank imports torch: imported where a search runs
@@ -1007,6 +1009,20 @@ def search(
         alike: dict[tuple, list[Candidate]] = {}
         for f in fams:
             alike.setdefault(_shape(f), []).append(f)
+        known = {k[:2] for k in search.cache}
+
+        def work(batch: list[Candidate]) -> tuple[int, int]:
+            """What a batch has left to measure: its rank shapes not yet measured, then
+            its layouts."""
+            probes = {
+                (c.model, reference(_probe(c, search.precision, search.optimizer)))
+                for f in batch
+                for c in families[f]
+            }
+            return len(probes - known), len(batch)
+
+        # The longest first, as each worker takes the next as it frees: a long batch
+        # taken last left the other worker idle for up to 11 s of a phase (Llama-3-8B)
         futures = {
             pool.submit(
                 _families_job,
@@ -1014,7 +1030,7 @@ def search(
                 [families[f] for f in batch],
                 *args,
             ): batch
-            for batch in alike.values()
+            for batch in sorted(alike.values(), key=work, reverse=True)
         }
         for fut in as_completed(futures):
             found, new, memo, steps = fut.result()
@@ -1214,8 +1230,24 @@ def pool(workers: int):
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
-    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(workers, mp_context=context, initializer=_exits_fast) as pool:
         yield pool
+
+
+def _exits_fast() -> None:
+    """A worker's exit skips the interpreter's teardown once its exit handlers have
+    run (torch's among them, registered later, so run first): seconds with torch
+    loaded, which the search waited on as its pool shut down (3.5 s of Llama-3-8B's).
+    Every result is sent by then (the results' queue writes as it is called)."""
+    import atexit
+
+    def exit_now() -> None:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+
+    atexit.register(exit_now)
 
 
 class _Progress:
@@ -1228,10 +1260,16 @@ class _Progress:
         self.out, self.log = out, log
         self.rows: list[dict] = []
         self.t0, self.measured = time.perf_counter(), search_.measurements
+        # advise.csv as `write` writes it, in pieces: each row encoded once (written
+        # whole after each layout, the table's thousands of rows took the searching
+        # process 9 s of Llama-3-8B's search, on a core its workers need)
+        self.text = [csv_text(ADVISE_COLUMNS, before)]
 
     def decided(self, got: list[dict], families_done: int, families: int) -> None:
-        self.rows += [{**r, "params": self.params} for r in got]
-        write(self.before + self.rows, self.out)
+        new = [{**r, "params": self.params} for r in got]
+        self.rows += new
+        self.text.append(csv_text(ADVISE_COLUMNS, new, header=False))
+        atomic_write_bytes(self.out / "advise.csv", "".join(self.text).encode())
         if families_done:
             spent = time.perf_counter() - self.t0
             left = spent / families_done * (families - families_done)
