@@ -1533,8 +1533,10 @@ def _frontiers(series: list, events: list, grads: dict, stepped: int) -> dict:
     parameters grow by with FSDP's padding; and the chunks only accumulate until
     zero_grad frees them. So a moment that a later one matches in what it holds
     besides, in its parameters, in its temporaries and in the chunks is never the
-    peak: what is left is the part's peak here and the few moments before it holding
-    more besides fewer chunks (each block's backward adds its chunks once)."""
+    peak (what the parameters grow by rises with them where the padding grows with
+    dp_shard, as at every multiple of 2 and, for Llama's and GPT-2's widths, at 3):
+    few are left, the part's peak here among them (each block's backward adds its
+    chunks once)."""
     from torch.distributed._tools.mem_tracker import _MemRefType
 
     births = {i: wid for wid, (i, _) in grads.items()}
