@@ -74,6 +74,7 @@ if TYPE_CHECKING:  # fakerank imports torch: imported where a search runs
     from parabench.predict.fakerank import Work
 
 LAYOUT_CSV = "advise-layout.csv"  # `--layout`'s rows
+ADVISE_CSV = "advise.csv"  # a search's
 # DistributedDataParallel's buckets: bucket_cap_mb's default, and its first bucket's
 # (torch.distributed._DEFAULT_FIRST_BUCKET_BYTES)
 DDP_BUCKET_BYTES, DDP_FIRST_BUCKET_BYTES = 25 * 2**20, 2**20
@@ -1085,7 +1086,7 @@ def search(
 
 
 def write(rows: list[dict], out: Path) -> Path:
-    path = out / "advise.csv"
+    path = out / ADVISE_CSV
     write_rows(path, ADVISE_COLUMNS, rows)
     return path
 
@@ -1256,7 +1257,7 @@ class _Progress:
     layout with the count done and an estimate of the time left."""
 
     def __init__(self, what: str, search_: Search, params: int, before, out: Path, log):
-        self.what, self.search, self.params, self.before = what, search_, params, before
+        self.what, self.search, self.params = what, search_, params
         self.out, self.log = out, log
         self.rows: list[dict] = []
         self.t0, self.measured = time.perf_counter(), search_.measurements
@@ -1269,7 +1270,7 @@ class _Progress:
         new = [{**r, "params": self.params} for r in got]
         self.rows += new
         self.text.append(csv_text(ADVISE_COLUMNS, new, header=False))
-        atomic_write_bytes(self.out / "advise.csv", "".join(self.text).encode())
+        atomic_write_bytes(self.out / ADVISE_CSV, "".join(self.text).encode())
         if families_done:
             spent = time.perf_counter() - self.t0
             left = spent / families_done * (families - families_done)

@@ -1594,11 +1594,12 @@ def at_shard(m: Measured, dp_shard: int, replicas: int = 1) -> Measured:
 
     - memory: at any moment the rank holds what it holds at the measured dp_shard,
       moved by the change in the sharded parameters and their optimizer state (the
-      same at every moment) and in the gradients' chunks it holds then (which
-      accumulate over the backward). So a measured rank's parts each peak at the
-      moment of their frontier (`_frontiers`) that holds most there; an extended one
-      (no moments kept) only where its peak holds no gradients (`derivable`), where
-      it stays (else `derived` derives its depths);
+      same at every moment), in the gradients' chunks it holds then (which
+      accumulate over the backward) and in the optimizer's temporaries. So a
+      measured rank's parts each peak at the moment of their frontier (`_frontiers`)
+      that holds most there; an extended one (no moments kept) only where its peak
+      holds no gradients (`derivable`), where it stays (else `derived` derives its
+      depths);
     - communication: the dp_shard dimension's gathered and reduced buffers with the
       padded total (chunk x dp_shard);
     - HSDP: FSDP's rank, which all-reduces each reduced chunk over the replicas (the
