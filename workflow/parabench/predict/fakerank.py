@@ -1302,14 +1302,14 @@ def measure(spec: ModelSpec, probe: Probe) -> Measured:
         if sharded:  # what `at_shard` derives a peak holding gradients from
             tracker.series = []
         grads: dict[int, tuple[int, tuple]] = {}
-        stepped = [0]  # the events before the optimizer's
+        stepped = 0  # the events before the optimizer's
 
         def lap(phase: str) -> None:
+            nonlocal grads, stepped
             if phase == FORWARD:
                 held.append(tracker.in_flight(r.module))
             elif phase == BACKWARD and sharded:
-                grads.update(_chunk_grads(tracker, r.module, r.optimizer))
-                stepped[0] = len(tracker.events)
+                grads, stepped = _chunk_grads(tracker, r.module, r.optimizer), len(tracker.events)
 
         with hooks as weights, tracker, counting:
             step(r, counting, lap)
@@ -1321,7 +1321,7 @@ def measure(spec: ModelSpec, probe: Probe) -> Measured:
     parts = {k: (t, _categories(snap)) for k, (t, snap) in tracker.part_peaks.items()}
     if parts and max(t for t, _ in parts.values()) != at.get("Total", 0):
         raise RuntimeError("fakerank: the step's peak is no part's peak (_parts)")
-    frontiers = _frontiers(tracker.series, tracker.events, grads, stepped[0]) if sharded else {}
+    frontiers = _frontiers(tracker.series, tracker.events, grads, stepped) if sharded else {}
     for part, points in frontiers.items():
         if max(p[0] for p in points) != parts[part][0]:
             raise RuntimeError(f"fakerank: {part}'s frontier misses its peak (_frontiers)")
