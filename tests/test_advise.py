@@ -887,6 +887,110 @@ def test_a_failed_measurement_decides_nothing():
     assert all("boom" in r["reason"] for r in rows)
 
 
+class _Ruled(advise.Search):
+    """A search whose every measurement is a rule of the candidate's (whether it
+    fits), its step shorter with a larger micro-batch: the search's logic alone, no
+    model built."""
+
+    def __init__(self, rule: Callable[[advise.Candidate], bool]) -> None:
+        super().__init__(
+            {"llama": LLAMA},
+            gpus.PROFILES["h100"],
+            PROFILES["h100-nvlink-ndr400"],
+            "bf16",
+            "adamw",
+            log=lambda _: None,
+        )
+        self.rule, self.measured_rows = rule, []
+
+    def row(self, c, facts, global_batch, tokens):
+        self.measured_rows.append(c)
+        fits = self.rule(c)
+        return {
+            **self.base(c, global_batch, tokens),
+            "status": "ok",
+            "fits": fits,
+            "step_s": 1 / c.micro,
+        }
+
+
+def _ruled_search(rule: Callable[[advise.Candidate], bool]) -> tuple[list[dict], _Ruled]:
+    """The search at 4 GPUs, a node of 4, a global batch of 16, of the small Llama's 4
+    blocks (pipelines of 2 and 4 stages), each measurement `rule`."""
+    from parabench import models
+
+    search = _Ruled(rule)
+    rows = advise.search(search, "llama", models.facts(LLAMA), 4, 4, 16, 0, 4)
+    return rows, search
+
+
+def _candidate_of(r: dict) -> advise.Candidate:
+    """A row's candidate."""
+    lay = Layout(
+        r["pp"],
+        r["dp_replicate"],
+        r["dp_shard"],
+        r["tp"],
+        zero=r["zero"],
+        ac=r["ac"],
+        schedule=r["schedule"],
+    )
+    return advise.Candidate("llama", 4, lay, r["micro_batch"], r["accumulation"])
+
+
+def test_a_layout_is_decided_by_the_fit_of_its_own_schedule_only():
+    """GPipe runs only where 1F1B cannot (fewer micro-batches than stages: its
+    smallest micro-batch is the largest), so its lightest option holds far more than
+    1F1B's at micro-batch 1: a GPipe that does not fit decides nothing of a 1F1B."""
+    rows, search = _ruled_search(lambda c: c.layout.schedule != "gpipe")
+    piped = [r for r in rows if r["pp"] > 1 and r["status"] in ("ok", "inferred")]
+    assert {r["schedule"] for r in piped} == {"1f1b", "interleaved", "gpipe"}
+    for r in piped:
+        if r.get("fits") is not None:
+            assert bool(r["fits"]) == search.rule(_candidate_of(r)), r
+    # every 1F1B layout's lightest option measured itself
+    lightest = {
+        (c.layout.replace(ac="none"), c.micro, c.layout.ac)
+        for c in search.measured_rows
+        if c.layout.schedule == "1f1b"
+    }
+    families = {
+        Layout(r["pp"], r["dp_replicate"], r["dp_shard"], r["tp"], zero=r["zero"], schedule="1f1b")
+        for r in piped
+        if r["schedule"] == "1f1b"
+    }
+    assert families and all((f, 1, "full") in lightest for f in families)
+
+
+def test_interleaved_1f1b_at_as_many_micro_batches_as_stages_is_measured_on_its_own():
+    """At as many micro-batches as stages, Interleaved 1F1B's rank reduces one stage's
+    gradients before its other stage's first backward, and holds fewer micro-batches in
+    flight (`_held_points`): its largest micro-batch can fit where smaller ones do not.
+    It is measured, and decided by no smaller one's fit, nor decides them."""
+
+    def rule(c: advise.Candidate) -> bool:
+        lay = c.layout
+        return lay.schedule != "interleaved" or c.accumulation == lay.pp
+
+    rows, _ = _ruled_search(rule)
+    island = [
+        r
+        for r in rows
+        if r["schedule"] == "interleaved"
+        and r["status"] != "skipped"
+        and r["accumulation"] == r["pp"]
+    ]
+    assert island and all(bool(r.get("fits")) for r in island), island
+    assert any(r["status"] == "ok" for r in island)
+    for r in rows:
+        if r["status"] in ("ok", "inferred") and r["pp"] > 1 and r.get("fits") is not None:
+            assert bool(r["fits"]) == rule(_candidate_of(r)), r
+    assert not any(
+        r["schedule"] == "interleaved" and r.get("fits") and r["accumulation"] > r["pp"]
+        for r in rows
+    )
+
+
 # advise's pricing on a rank's work given by hand, in round figures: the arithmetic of
 # `predict` and what it calls, without a model built (the tests above build models).
 # The device: 1e12 FLOP/s, memory never the bound, no floor, a 2e12 peak.

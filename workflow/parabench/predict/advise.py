@@ -808,6 +808,20 @@ def _search_family(
     rows = []
     by = {(c.layout.ac, c.micro): c for c in cands}
     micros = sorted({c.micro for c in cands})
+    # Interleaved 1F1B at as many micro-batches as stages holds less than at twice as
+    # many (its rank runs each stage's backwards before the other's, and reduces that
+    # stage's gradients early: `_held_points`), so its largest micro-batch can fit where
+    # a smaller one does not: measured on its own, not decided by the smaller ones
+    island = next(
+        (
+            c.micro
+            for c in cands
+            if c.layout.schedule == "interleaved" and c.accumulation == c.layout.pp
+        ),
+        None,
+    )
+    steady = [m for m in micros if m != island]  # memory grows with the micro-batch
+    first = steady[0] if steady else island  # the lightest option: full AC there
     done: dict[tuple[str, int], dict] = {}
 
     def fits(ac: str, micro: int) -> bool:
@@ -828,14 +842,17 @@ def _search_family(
         got = done.get((ac, micro), {})
         return got.get("reason", "") if got.get("status") == "failed" else ""
 
-    best: dict[str, int | None] = {}
+    best: dict[str, int | None] = {}  # each level's largest fit, of the steady micro-batches
     stopped: dict[str, int] = {}  # a pipeline's level: the micro-batch its scan stopped at
-    lightest = fits("full", micros[0])
+    at_island: dict[str, bool] = {}  # each level measured at the island: whether it fits
+    steady_fits = bool(steady) and fits("full", first)
+    lightest = steady_fits or (island is not None and fits("full", island))
     if lightest:
         floor = 0  # a lighter level's largest fit: below it, that level is faster
         pipelined = cands[0].layout.pp > 1
         for ac in AC_ORDER:
-            above = [m for m in micros if m > floor]
+            above = [m for m in steady if m > floor] if steady_fits else []
+            ended = True  # not stopped by a step longer than a smaller micro-batch's
             if pipelined:  # from the smallest micro-batch up, while steps shorten
                 best[ac] = None
                 for m in above:
@@ -844,10 +861,20 @@ def _search_family(
                     best[ac] = m
                     if slower(ac, m):
                         stopped[ac] = m  # a larger one only grows the bubble further
+                        ended = False
                         break
             else:
                 best[ac] = _largest_fit(above, lambda m, ac=ac: fits(ac, m)) if above else None
             floor = max(floor, best[ac] or 0)
+            # the island, unless a lighter level fits there (the same passes, less
+            # recompute: faster)
+            if island is not None and ended and not any(at_island.values()):
+                at_island[ac] = fits(ac, island)
+    lightest_text = f"micro-batch {first} with full checkpointing" + (
+        f", nor micro-batch {island}, as many micro-batches as stages"
+        if island is not None and island != first
+        else ""
+    )
     for c in cands:
         ac = c.layout.ac
         key = (ac, c.micro)
@@ -855,15 +882,21 @@ def _search_family(
             rows.append(done[key])
             continue
         row = {**search.base(c, global_batch, tokens), "status": "inferred"}
-        smaller = [m for m in micros if m < c.micro and (ac, m) in done]
-        if why := failed("full", micros[0]):
+        smaller = [m for m in steady if m < c.micro and (ac, m) in done]
+        if why := failed("full", first):
             row.update(status="failed", reason=f"not measured: its lightest option failed ({why})")
-        elif not best:
+        elif not lightest:
             row.update(
                 fits=False,
                 binding="memory",
-                reason=f"does not fit: nor does micro-batch {micros[0]} with full "
-                "checkpointing (measured)",
+                reason=f"does not fit: nor does {lightest_text} (measured)",
+            )
+        elif c.micro != island and not steady_fits:
+            row.update(
+                fits=False,
+                binding="memory",
+                reason=f"does not fit: nor does micro-batch {first} with full checkpointing "
+                "(measured)",
             )
         elif ac in stopped and c.micro > stopped[ac]:
             row.update(
@@ -871,13 +904,15 @@ def _search_family(
                 "already longer than a smaller one's, and a larger one only grows the bubble"
             )
         elif lighter := [
-            a for a in AC_ORDER[: AC_ORDER.index(ac)] if (best.get(a) or 0) >= c.micro
+            a
+            for a in AC_ORDER[: AC_ORDER.index(ac)]
+            if (at_island.get(a) if c.micro == island else (best.get(a) or 0) >= c.micro)
         ]:
             row.update(
                 fits=True,
                 reason=f"fits: ac {lighter[0]} fits at this micro-batch, with less recompute",
             )
-        elif best.get(ac) is not None and c.micro < best[ac]:
+        elif c.micro != island and best.get(ac) is not None and c.micro < best[ac]:
             row.update(
                 fits=True, reason=f"fits, and micro-batch {best[ac]} fits too, with fewer passes"
             )
@@ -893,7 +928,7 @@ def _search_family(
                 reason=f"does not fit: a smaller micro-batch at ac {ac} does not (measured)",
             )
         rows.append(row)
-    return rows, (None if failed("full", micros[0]) else lightest)
+    return rows, (None if failed("full", first) else lightest)
 
 
 def _families_job(
@@ -945,12 +980,14 @@ def search(
 
     Within a layout (a family: its degrees, ZeRO stage and schedule), memory grows with
     the micro-batch and shrinks with heavier checkpointing (none, selective, full). So:
-    its lightest option (micro-batch 1, full) is measured first, and where it does not
-    fit, nothing of the layout does; else, for each level, the largest micro-batch that
-    fits is found by bisection (a pipeline's: every one that fits, from the smallest,
-    whose bubble is the least), above the largest a lighter level fits at (below it the
-    lighter level is faster: the same passes, less recompute). And across layouts of
-    the same degrees: ZeRO-3 FSDP holds no more than ZeRO-2, HSDP or DDP, so where its
+    its lightest option (its smallest micro-batch, full) is measured first, and where it
+    does not fit, nothing of the layout does; else, for each level, the largest
+    micro-batch that fits is found by bisection (a pipeline's: those that fit, from the
+    smallest, whose bubble is the least, until a step is longer than a smaller one's;
+    Interleaved 1F1B's at as many micro-batches as stages on its own, as it can hold
+    less), above the largest a lighter level fits at (below it the lighter level is
+    faster: the same passes, less recompute). And across layouts of the same degrees
+    and schedule: ZeRO-3 FSDP holds no more than ZeRO-2, HSDP or DDP, so where its
     lightest option does not fit, theirs are not measured. What is not measured is a
     row that says which measurement decided it. `pool`: a process pool the layouts are
     searched in, side by side (not where the model's ranks are timed here:
@@ -982,13 +1019,15 @@ def search(
             )
         else:
             families.setdefault(_family(c), []).append(c)
-    # (pp, tp, dp) -> families, lightest first: FSDP before DDP, ZeRO-3 before ZeRO-2
+    # (pp, tp, dp, schedule) -> families, lightest first: FSDP before DDP, ZeRO-3 before
+    # ZeRO-2. A schedule decides what a stage holds (GPipe every micro-batch's
+    # activations, 1F1B a stage's worth, Interleaved 1F1B a stage's gradients reduced
+    # early), and its own micro-batches (GPipe's only where 1F1B cannot run: its
+    # smallest can be 16): a layout is never decided by another schedule's fit
     groups: dict[tuple, list[Candidate]] = {}
     for fam in sorted(families, key=lambda f: (f.layout.dp_replicate > 1, -f.layout.zero)):
         lay = fam.layout
-        # Interleaved 1F1B can hold less than 1F1B (a stage's gradients reduced early):
-        # never decided by another schedule's fit
-        groups.setdefault((lay.pp, lay.tp, lay.dp, lay.schedule == "interleaved"), []).append(fam)
+        groups.setdefault((lay.pp, lay.tp, lay.dp, lay.schedule), []).append(fam)
 
     def tell(got: list[dict], families_done: int) -> None:
         if decided is not None:
@@ -1059,6 +1098,7 @@ def search(
                 rows += done[fam][0]
                 continue
             c0 = families[first][0]
+            lightest_micro = min(c.micro for c in families[first])
             zero = {3: "ZeRO-3", 2: "ZeRO-2"}.get(c0.layout.zero, "")
             got = [
                 {
@@ -1068,8 +1108,8 @@ def search(
                     "binding": "memory",
                     "reason": (
                         f"does not fit: holds at least what {c0.layout.parallelism} "
-                        f"{zero} holds, which does not fit at micro-batch 1 with full "
-                        "checkpointing (measured)"
+                        f"{zero} holds, which does not fit at micro-batch {lightest_micro} "
+                        "with full checkpointing (measured)"
                     ),
                 }
                 for c in families[fam]
