@@ -449,6 +449,16 @@ def test_advise_writes_every_column_and_accounts_for_every_candidate(advised):
         assert (measured["step_s"] >= measured["compute_s"]).all()
         assert (measured["mfu"] > 0).all() and (measured["mfu"] < 1).all()
         assert (measured["memory_bytes"] > measured["param_bytes"]).all()
+        # the categories make up the peak (a pipeline's other micro-batches in flight
+        # among the activations, its gradients accumulated among the gradients)
+        kinds = measured[["param_bytes", "grad_bytes", "opt_bytes", "act_bytes", "temp_bytes"]]
+        gap = (kinds.sum(axis=1) - measured["memory_bytes"]).abs()
+        assert (gap <= 0.01 * measured["memory_bytes"]).all(), measured[gap > 0]
+        # a GPU runs its share of the model's FLOPs, whatever the layout: a pipeline's
+        # stage, measured with the embedding and the head, runs them once between stages
+        for _, alike in measured.groupby("ac"):
+            flops = alike["flops_per_gpu"]
+            assert flops.max() < 1.01 * flops.min(), alike[["layout", "flops_per_gpu"]]
         # data parallelism: FSDP, DDP, and HSDP within the node of 4
         assert {
             (r.dp_replicate, r.dp_shard) for r in ok[(ok.tp == 1) & (ok.pp == 1)].itertuples()
@@ -1418,6 +1428,24 @@ def test_a_pipelines_step_adds_its_fill_and_drain():
     assert got["bubble_s"] == pytest.approx(0.1)
     assert got["step_s"] == pytest.approx(0.45 + 0.95 + 0.1)
     assert got["samples_per_s_per_gpu"] == pytest.approx(1 * 4 * 2 / 1.5 / 8)
+
+
+def test_a_pipelines_gpu_runs_its_share_of_the_blocks_and_of_the_embedding_and_head():
+    """A stage is measured with the model's embedding and head (the heaviest stage's
+    bound, for its step); a GPU of 2 stages over the model's 4 blocks runs its 2 blocks
+    (6 of the stage's 10 TFLOP a micro-batch, 2 of recompute) and half of the rest."""
+    work = _work(10.0, 0.0, recompute=2.0)
+    work.block_flops = 6e12
+    m = dataclasses.replace(_measured(work), blocks=2)
+    c = _candidate(pp=2, accumulation=4, schedule="1f1b")
+    got = advise.predict(c, m, UNIT_GPU, UNIT_FABRIC, 0, blocks=4)
+    assert got["flops_per_gpu"] == pytest.approx(4 * (6e12 + 4e12 / 2 + 2e12))
+    assert got["mfu"] == pytest.approx(4 * 8e12 / got["step_s"] / UNIT_GPU.peak_flops)
+    # the step itself is the measured stage's, the heaviest
+    assert got["compute_s"] == pytest.approx(4 * (10 + 2))
+    # were the model 8 blocks deep, a GPU's 4 would be twice the measured stage's 2
+    deeper = advise.predict(c, m, UNIT_GPU, UNIT_FABRIC, 0, blocks=8)
+    assert deeper["flops_per_gpu"] == pytest.approx(4 * (2 * 6e12 + 4e12 / 2 + 2 * 2e12))
 
 
 def test_a_pipelines_transfers_are_priced_on_the_link_between_its_stages():

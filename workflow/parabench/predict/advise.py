@@ -404,11 +404,13 @@ def predict(
     compiled: bool = False,
     float8: bool = False,
     timed: dict[str, float] | None = None,
+    blocks: int | None = None,
 ) -> dict:
     """The step of candidate `c` from its rank's measurement `m` (fakerank.Measured),
     run eager or compiled, with BF16 or Float8 linears (fakerank.Work.seconds); its
     compute timed on this host where `timed` (fakerank.timed, beside its other ranks:
-    `_timed_phases`)."""
+    `_timed_phases`). `blocks`: the model's repeated blocks, a pipeline's share of
+    whose FLOPs a GPU runs (its FLOPs and MFU)."""
     from parabench.predict.fakerank import BACKWARD, FORWARD, OPTIMIZER, RECOMPUTE, STEP
 
     phases = _timed_phases(m.work, gpu, compiled, float8, timed) if timed else {}
@@ -466,7 +468,17 @@ def predict(
     # and drain in 1/v of the time (Narayanan et al. 2021, torch's Interleaved1F1B)
     bubble = (lay.pp - 1) * micro_s / stages_per_rank(lay.schedule)
     step = compute + comm + p2p + bubble
-    model_flops = a * m.work.flops(STEP) + m.work.flops(OPTIMIZER)
+    # A pipeline's stage is measured with the embedding and the head (the heaviest
+    # stage's bound, for its step), which the model runs once between its pp stages:
+    # a GPU's FLOPs are its share of the blocks' and of theirs
+    # (the recompute is the blocks'; the optimizer's, a few FLOPs a parameter, is left
+    # as the stage's)
+    per_gpu, recomputed = m.work.flops(STEP), m.work.recompute_flops
+    if lay.pp > 1 and blocks and m.work.block_flops:
+        share = blocks / lay.pp / m.blocks  # a GPU's blocks, of the stage's measured
+        per_gpu = m.work.block_flops * share + (per_gpu - m.work.block_flops) / lay.pp
+        recomputed *= share
+    model_flops = a * per_gpu + m.work.flops(OPTIMIZER)
     samples = c.micro * a * lay.dp
     return {
         "compute_s": compute,
@@ -482,8 +494,7 @@ def predict(
         "tokens_per_s_per_gpu": samples * tokens_per_sample / step / c.gpus
         if tokens_per_sample
         else math.nan,
-        "flops_per_gpu": a * (m.work.flops(STEP) + m.work.recompute_flops)
-        + m.work.flops(OPTIMIZER),
+        "flops_per_gpu": a * (per_gpu + recomputed) + m.work.flops(OPTIMIZER),
         "mfu": model_flops / step / gpu.peak_flops,
     }
 
@@ -712,13 +723,18 @@ class Search:
             reserved_bytes=reserved,
             overhead_bytes=overhead,
             memory_source=how,
+            # the categories sum to the peak: other micro-batches in flight hold
+            # activations, a pipeline's stage its gradients accumulated
             **{
-                f"{k}_bytes": m.by_category.get(k, 0) + (accumulated if k == "grad" else 0)
+                f"{k}_bytes": m.by_category.get(k, 0)
+                + {"grad": accumulated, "act": extra}.get(k, 0)
                 for k in ("param", "grad", "opt", "act", "temp")
             },
             fits=fits,
             compute_source=source,
-            **predict(c, m, self.gpu, self.fabric, tokens, self.compiled, self.float8, timed),
+            **predict(
+                c, m, self.gpu, self.fabric, tokens, self.compiled, self.float8, timed, blocks
+            ),
         )
         row["binding"] = binding(row)
         return row

@@ -283,6 +283,10 @@ class Work:
 
     ops: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     comm_by_dim: dict[str, dict[str, dict[str, float]]] = dataclasses.field(default_factory=dict)
+    # of the forward's and backward's FLOPs, those the repeated blocks ran (`measure`):
+    # a pipeline's GPU runs its share of them, and the embedding's and head's once
+    # between the stages, where its measured stage runs both (advise.predict's MFU)
+    block_flops: float = 0.0
 
     def flops(self, phase: str | None = None) -> float:
         return sum(f * n for (p, _, f, _), n in self.ops.items() if _in(p, phase))
@@ -357,6 +361,8 @@ class Counting(TorchDispatchMode):
         self.weights: dict[int, tuple[weakref.ref, bool]] = {}
         self.weight_shapes: set[tuple[int, ...]] = set()
         self.run: _Run | None = None  # the memory-bound ops since the last other kernel
+        # which part of the step an op runs in (`_parts`, where `measure` sets it)
+        self.where: Callable[[], tuple[str, str]] | None = None
 
     def __exit__(self, *exc):
         if not self.inside:  # not _handled's own push of this mode
@@ -429,6 +435,8 @@ class Counting(TorchDispatchMode):
             kind = LINEAR
             self._scaling(phase, operands, outs[0])
         self.work.ops[(phase, kind, flops, moved)] += 1
+        if phase in (FORWARD, BACKWARD) and self.where and self.where()[1] in _BLOCK_PARTS:
+            self.work.block_flops += flops
         return out
 
     def _weight(self, t: torch.Tensor) -> bool | None:
@@ -1297,6 +1305,7 @@ def measure(spec: ModelSpec, probe: Probe) -> Measured:
         hooks = linears(r.module, r.model.blocks(), counting)
         # the repeated blocks: a sequential model's embedding and head are outside them
         tracker.where = _parts(tracker, checkpointing.repeated(r.model.blocks()), counting)
+        counting.where = tracker.where
         held: list[tuple[int, int, int]] = []
         sharded = probe.layout.dp_shard > 1
         if sharded:  # what `at_shard` derives a peak holding gradients from
@@ -1692,7 +1701,7 @@ def at_shard(m: Measured, dp_shard: int, replicas: int = 1) -> Measured:
         peak_bytes=peak,
         reserved_bytes=int(m.reserved_bytes + peak - m.peak_bytes),
         by_category=by,
-        work=Work(ops, comm),
+        work=Work(ops, comm, m.work.block_flops),
         sharded_at=dp_shard,
         derived_from=s0,
         parts=parts,
@@ -1764,7 +1773,7 @@ def extended(low: Measured, high: Measured, blocks: int) -> Measured:
     else:
         peak = int(line(low.peak_bytes, high.peak_bytes))
         by = _line_dict(low.by_category, high.by_category, line, int)
-    work = Work(ops, comm)
+    work = Work(ops, comm, line(low.work.block_flops, high.work.block_flops))
     shards = _line_dict(low.shards, high.shards, line)
     return Measured(
         peak,

@@ -354,7 +354,8 @@ def plan_plots(plan: pd.DataFrame) -> str:
 
 
 # advise.csv's memory at a rank's peak, by the tracker's categories (memory_bytes less
-# their sum: a pipeline's first stage's other micro-batches in flight, activations too)
+# their sum, the model's buffers or an earlier advise.csv's pipeline micro-batches in
+# flight, drawn as activations)
 MEMORY_KINDS = {
     "parameters": "param_bytes",
     "gradients": "grad_bytes",
