@@ -102,21 +102,27 @@ def _flat(comm: dict) -> dict:
     return {(d, op, k): v for d, ops in comm.items() for op, e in ops.items() for k, v in e.items()}
 
 
+# gpt: a sequential model, whose children (the embedding and head among them) are its
+# blocks (models/base.py)
+GPT_SPEC = ModelSpec.of("gpt", vocab=512, seq_len=32, n_layer=2, n_head=4, d_model=64)
+
+
 @pytest.mark.parametrize(
-    "shape",
+    "spec, shape",
     [
-        fakerank.Probe(Layout(dp_shard=4, ac="full"), micro=2),
-        fakerank.Probe(Layout(dp_shard=2, tp=2, ac="selective", zero=2), micro=4),
-        fakerank.Probe(Layout(dp_replicate=2, dp_shard=2), micro=2),
+        (LLAMA, fakerank.Probe(Layout(dp_shard=4, ac="full"), micro=2)),
+        (LLAMA, fakerank.Probe(Layout(dp_shard=2, tp=2, ac="selective", zero=2), micro=4)),
+        (LLAMA, fakerank.Probe(Layout(dp_replicate=2, dp_shard=2), micro=2)),
+        (GPT_SPEC, fakerank.Probe(Layout(dp_shard=2, ac="full"), micro=2)),
     ],
-    ids=["fsdp-full", "fsdp-tp-selective-zero2", "hsdp"],
+    ids=["fsdp-full", "fsdp-tp-selective-zero2", "hsdp", "gpt-fsdp-full"],
 )
-def test_a_deep_stage_measured_at_a_few_depths_is_the_stage_measured_whole(shape):
+def test_a_deep_stage_measured_at_a_few_depths_is_the_stage_measured_whole(spec, shape):
     """Identical blocks hold and do the same: extended from a few depths to 9 blocks,
     every figure is the one measured at 9 (the peak to 0.5%, the rest exactly); then
     another micro-batch and checkpointing of the same shape, measured at the depth the
-    first settled at."""
-    spec = LLAMA
+    first settled at. A rank's depth is its repeated blocks (a sequential model's
+    embedding and head aside), and what leaves its last block is a block's output."""
     fakerank._SETTLED.clear()
     other = {"none": "full", "full": "selective", "selective": "none"}[shape.layout.ac]
     for micro, ac in ((shape.micro, shape.layout.ac), (shape.micro * 2, other)):
@@ -129,6 +135,10 @@ def test_a_deep_stage_measured_at_a_few_depths_is_the_stage_measured_whole(shape
         assert ext.work.op_count() == pytest.approx(whole.work.op_count())
         assert ext.work.recompute_flops == pytest.approx(whole.work.recompute_flops)
         assert _flat(ext.work.comm_by_dim) == pytest.approx(_flat(whole.work.comm_by_dim))
+        assert (ext.blocks, whole.blocks) == (9, 9)
+        width = spec.size_dict().get("d_model") or spec.size_dict()["config"]["hidden_size"]
+        seq = spec.size_dict()["seq_len"]
+        assert whole.boundary_bytes == micro * seq * width * 2 // shape.layout.tp  # bf16
     assert fakerank._SETTLED, "the first option's depth was kept for the second"
 
 

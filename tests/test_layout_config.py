@@ -165,6 +165,9 @@ def test_a_stage_checkpoints_the_models_repeated_blocks_it_holds():
     chosen = checkpointing.apply(blocks, "full", within=blocks[:2])
     assert [type(b).__name__ for b in chosen] == ["Block"] and chosen[0] is blocks[1]
     assert checkpointing.count(blocks) == 1
+    # one layer between the embedding and the head: the layer, though the classes tie
+    one = build(ModelSpec.of(**{**GPT, "n_layer": 1}), 0).blocks()
+    assert [type(b).__name__ for b in checkpointing.repeated(one)] == ["Block"]
 
 
 def test_a_layout_labels_itself_and_says_what_is_wrong_naming_the_key():

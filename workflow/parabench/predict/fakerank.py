@@ -845,7 +845,9 @@ def rank(spec: ModelSpec, probe: Probe, fake: bool = True, local: bool = False) 
         )
         dims = {g.group_name: d for d, g in mesh.groups().items()} if mesh else {}
         boundary = [0]
-        if blocks := model.blocks():
+        # the repeated blocks: a sequential model's children are its blocks, the
+        # embedding and head among them (models/base.py)
+        if blocks := checkpointing.repeated(model.blocks()):
             blocks[-1].register_forward_hook(
                 lambda m, a, out: boundary.__setitem__(
                     0, sum(_nbytes(_local(t)) for t in _tensors(out))
@@ -1302,9 +1304,10 @@ def measure(spec: ModelSpec, probe: Probe) -> Measured:
         tracker = _tracker_class()()
         tracker.track_external(r.module, r.optimizer)
         counting = Counting(r.dims, gathers_weights=probe.layout.dp_shard > 1)
-        hooks = linears(r.module, r.model.blocks(), counting)
         # the repeated blocks: a sequential model's embedding and head are outside them
-        tracker.where = _parts(tracker, checkpointing.repeated(r.model.blocks()), counting)
+        blocks = checkpointing.repeated(r.model.blocks())
+        hooks = linears(r.module, blocks, counting)
+        tracker.where = _parts(tracker, blocks, counting)
         counting.where = tracker.where
         held: list[tuple[int, int, int]] = []
         sharded = probe.layout.dp_shard > 1
@@ -1339,7 +1342,7 @@ def measure(spec: ModelSpec, probe: Probe) -> Measured:
         _categories(at),
         counting.work,
         r.boundary[0],
-        len(r.model.blocks()),
+        len(blocks),
         saved,
         block_saved,
         input_saved_bytes=input_saved,
