@@ -1421,7 +1421,8 @@ def test_a_pipelines_step_adds_its_fill_and_drain():
     reduce-scatter (0.4 GB, 0.2 GB on the bus: 0.05 s) runs once per step. Stage 0's
     first rank sends to stage 1's, dp x tp = 4 ranks on, on the next node: 0.1 GB over
     one of the node's 4 NICs (0.25 GB/s), 0.4 s each way of the fill and the drain; the
-    bubble, (pp - 1) micro-batches' compute."""
+    bubble, (pp - 1) micro-batches' slots: each its compute and tp's all-reduce, in the
+    compute's stream."""
     c = _candidate(pp=2, dp_shard=2, tp=2, accumulation=4, zero=3, schedule="1f1b")
     comm = {
         "tp": {"all_reduce": {"count": 1, "bytes": 1e8}},
@@ -1435,9 +1436,9 @@ def test_a_pipelines_step_adds_its_fill_and_drain():
         "dp_shard": {"reduce_scatter": {"count": 1, "bytes": 4e8}},
     }
     assert got["comm_s"] == pytest.approx(4 * 0.025 + 0.05 + 2 * 0.4)
-    assert got["bubble_s"] == pytest.approx(0.1)
-    assert got["step_s"] == pytest.approx(0.45 + 0.95 + 0.1)
-    assert got["samples_per_s_per_gpu"] == pytest.approx(1 * 4 * 2 / 1.5 / 8)
+    assert got["bubble_s"] == pytest.approx(0.1 + 0.025)
+    assert got["step_s"] == pytest.approx(0.45 + 0.95 + 0.125)
+    assert got["samples_per_s_per_gpu"] == pytest.approx(1 * 4 * 2 / 1.525 / 8)
 
 
 def test_a_pipelines_gpu_runs_its_share_of_the_blocks_and_of_the_embedding_and_head():
@@ -1461,13 +1462,24 @@ def test_a_pipelines_gpu_runs_its_share_of_the_blocks_and_of_the_embedding_and_h
 def test_a_pipelines_transfers_are_priced_on_the_link_between_its_stages():
     """PP 2 x TP 2 on a node of 4: the stages' ranks are 2 apart, within the node
     (0.1 GB at 4 GB/s: 0.025 s each way); PP 3 on a flat 1 GB/s fabric: two boundaries,
-    each filled and drained (4 x 0.1 s)."""
+    each filled and drained (4 x 0.1 s); a boundary whose stages sit on two nodes, over
+    the network."""
     m = _measured(_work(0.1, 0.05), boundary_bytes=10**8)
     c = _candidate(pp=2, tp=2, accumulation=4, schedule="1f1b")
     assert advise.predict(c, m, UNIT_GPU, UNIT_FABRIC, 0)["comm_s"] == pytest.approx(2 * 0.025)
     flat = Fabric("flat", "by hand", {"any": BusbwTable((1.0,), (1e9,), 0.0)})
     c = _candidate(pp=3, accumulation=4, schedule="1f1b")
     assert advise.predict(c, m, UNIT_GPU, flat, 0)["comm_s"] == pytest.approx(4 * 0.1)
+    # PP 4 x TP 2 on two nodes of 4: stages 1 and 2 meet across the nodes, one rank of
+    # each pair on each (one NIC: 0.25 GB/s, 0.4 s), the others within one (0.025 s)
+    c = _candidate(pp=4, tp=2, accumulation=4, schedule="1f1b")
+    got = advise.predict(c, m, UNIT_GPU, UNIT_FABRIC, 0)["comm_s"]
+    assert got == pytest.approx(2 * (0.025 + 0.4 + 0.025))
+    # Interleaved 1F1B: twice through the stages, and back from the last to the first
+    # between, across the nodes
+    c = _candidate(pp=4, tp=2, accumulation=8, schedule="interleaved")
+    got = advise.predict(c, m, UNIT_GPU, UNIT_FABRIC, 0)["comm_s"]
+    assert got == pytest.approx(2 * (2 * (0.025 + 0.4 + 0.025) + 0.4))
 
 
 def test_a_peak_of_exactly_the_usable_memory_fits():

@@ -457,16 +457,16 @@ def predict(
         for d, ops in issued.items()
     }
     comm = layout_comm([comm_dims], fabric.time, lay.degrees, a) - hidden
-    p2p = 0.0
-    if lay.pp > 1:  # fill and drain wait on one transfer per boundary, each way
-        # neighbouring stages are a stage's dp x tp ranks apart: the link that spans
-        span = 2 * lay.dp * lay.tp
-        # interleaved: a micro-batch crosses v x pp - 1 boundaries, the last back to rank 0
-        hops = lay.pp * stages_per_rank(lay.schedule) - 1
-        p2p = 2 * hops * fabric.time("send", 2, m.boundary_bytes, span, lay.world)
-    # (pp - 1)/m of m micro-batches' compute; interleaved, its stages a rank each fill
-    # and drain in 1/v of the time (Narayanan et al. 2021, torch's Interleaved1F1B)
-    bubble = (lay.pp - 1) * micro_s / stages_per_rank(lay.schedule)
+    # fill and drain wait on one transfer per boundary, each way
+    p2p = 2 * sum(_hop_s(fabric, lay, k, m.boundary_bytes) for k in _hops(lay))
+    # (pp - 1)/m of m micro-batches' slots, each its compute and tp's collectives (in
+    # the compute's stream, exposed: `comm` holds them for every micro-batch);
+    # interleaved, its stages a rank each fill and drain in 1/v of the time (Narayanan
+    # et al. 2021, torch's Interleaved1F1B)
+    tp_s = 0.0
+    if lay.pp > 1 and issued.get("tp"):
+        tp_s = layout_comm([{"tp": issued["tp"]}], fabric.time, lay.degrees, 1)
+    bubble = (lay.pp - 1) * (micro_s + tp_s) / stages_per_rank(lay.schedule)
     step = compute + comm + p2p + bubble
     # A pipeline's stage is measured with the embedding and the head (the heaviest
     # stage's bound, for its step), which the model runs once between its pp stages:
@@ -497,6 +497,31 @@ def predict(
         "flops_per_gpu": a * (per_gpu + recomputed) + m.work.flops(OPTIMIZER),
         "mfu": model_flops / step / gpu.peak_flops,
     }
+
+
+def _hops(lay: Layout) -> list[int]:
+    """The stage boundaries a micro-batch crosses, in order: k, from stage k to k + 1,
+    and pp - 1 from the last stage back to the first (Interleaved 1F1B: a rank's next
+    stage)."""
+    if lay.pp == 1:
+        return []
+    once = list(range(lay.pp - 1))
+    around = [*once, lay.pp - 1]  # to a rank's next stage, back at the first
+    return [*(around * (stages_per_rank(lay.schedule) - 1)), *once]
+
+
+def _hop_s(fabric: Fabric, lay: Layout, k: int, nbytes: float) -> float:
+    """One transfer across boundary k (`_hops`): each rank of a stage sends to its
+    peer in the next, a stage's dp x tp ranks on (pp the mesh's outer dimension), all
+    at once, so over the network where any pair sits on two nodes (every boundary
+    that starts a node, and the way back to the first stage across them)."""
+    stride = lay.dp * lay.tp
+    span = 2 * stride  # the curves' placement, where the fabric has no nodes
+    if g := fabric.gpus_per_node:
+        a, b = k * stride, (k + 1) % lay.pp * stride
+        apart = any((a + j) // g != (b + j) // g for j in range(stride))
+        span = g + 1 if apart else 2  # on two nodes, one rank on each: one NIC
+    return fabric.time("send", 2, nbytes, span, lay.world)
 
 
 def _timed_phases(
