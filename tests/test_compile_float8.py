@@ -116,6 +116,25 @@ def test_compile_and_float8_price_a_real_rank_as_they_run_it(seq, layout):
     assert fp8 == pytest.approx(bf16 * (1 - m.linear_share / 2))
 
 
+def test_under_autocast_a_recomputed_linear_is_converted_as_its_forward_was():
+    """Without FSDP's mixed precision (DDP, TP alone, one device), autocast casts each
+    weight to BF16 as a linear runs, and a checkpoint's recompute casts it again, to a
+    new copy no forward hook sees: the recompute's GEMMs and the input gradients taken
+    with that copy are the block's linears still (80 tokens: no activation has a
+    weight's shape to match by chance)."""
+    llama = pytest.importorskip("test_advise").LLAMA
+    spec = ModelSpec.of("hf", **{**llama.size_dict(), "seq_len": 80})
+    count = {}
+    for ac in ("none", "full"):
+        probe = fakerank.Probe(Layout(dp_replicate=2, ac=ac), micro=2, blocks=2)
+        count[ac] = collections.Counter()
+        for (phase, kind, _, _), n in fakerank.measure(spec, probe).work.ops.items():
+            count[ac][phase, kind] += n
+    for ac in ("none", "full"):
+        assert count[ac][BACKWARD, LINEAR] == 2 * 14 and count[ac][BACKWARD, MATMUL] == 2
+    assert count["full"][RECOMPUTE, MATMUL] == 0 and count["full"][RECOMPUTE, LINEAR] > 0
+
+
 def test_the_cells_refuse_float8_naming_the_key():
     """precision: float8 passes the schema and is refused before any job, with the
     reason on this device (advise prices it)."""

@@ -7,7 +7,7 @@ For each model and each N, every layout that applies is a candidate (`candidates
   torchtitan's order), with tp within a node and splitting the model's widths, pp no
   more than its repeated blocks (and at most MAX_PP), and data parallelism as FSDP
   (dp_shard), HSDP (a node's worth of shards, replicated across nodes) or DDP;
-- for a pipeline, its schedule (1F1B or GPipe); for FSDP, ZeRO-3 (reshard after
+- for a pipeline, its schedule (1F1B, Interleaved 1F1B or GPipe); for FSDP, ZeRO-3 (reshard after
   forward) or ZeRO-2 (keep the gathered parameters to backward; a pipeline always);
 - activation checkpointing none, selective or full;
 - the micro-batch and the accumulation (or a pipeline's micro-batches) that reach the
@@ -18,8 +18,9 @@ Each is then, and says which:
 - **measured, memory**: one rank of it under fake tensors (predict/fakerank.py): its peak by
   torch's memory tracker, in its dtypes, at a few depths extended to its stage's
   blocks, each part of the step on its own line. A pipeline's first stage holds the
-  activations of its micro-batches in flight (1F1B: up to pp; GPipe: all), one
-  micro-batch's measured, the rest added;
+  activations of its micro-batches in flight (1F1B: up to pp; GPipe: all; Interleaved
+  1F1B: where torch's own order holds most), one micro-batch's measured, the rest
+  added;
 - **counted**: its ops' FLOPs and bytes, its collectives' bytes per mesh dimension;
 - **predicted, time**: compute, each op at the GPU's roofline (hardware/gpus.py), eager or
   as torch.compile fuses it, with BF16 or Float8 linears (`advise.compile`,
@@ -27,8 +28,11 @@ Each is then, and says which:
   per mesh dimension at the fabric's time at its span (hardware/fabric.py, scaling.layout_comm),
   less what data parallelism's run under compute (FSDP's prefetched gathers, the
   gradient reductions under the backward: predict/overlap.py's timeline; tensor
-  parallelism's and a pipeline's exposed); a pipeline's bubble, (pp - 1)/m of its
-  compute, as scaling.bubble_time. Then tokens per second per GPU and MFU.
+  parallelism's and a pipeline's exposed); a pipeline's bubble, (pp - 1) of its m
+  micro-batches' slots (each its compute and tp's collectives; Interleaved 1F1B's
+  stages fill and drain in half the time), and its transfers between stages, each
+  on the link its ranks use. Then tokens per second per GPU and MFU (a pipeline's
+  GPU, its share of the model's FLOPs).
 
 The search (`search`) measures what decides and infers the rest, each inferred row
 naming the measurement that decided it. A rank shape (its tp, stage, micro-batch,

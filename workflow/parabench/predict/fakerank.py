@@ -266,6 +266,8 @@ FUSED = "fused"
 AMAX = "amax"
 CAST = "cast"
 _GEMMS = frozenset({"aten::mm", "aten::addmm"})  # what nn.Linear's forward and backward call
+# autocast's cast of a weight to the compute dtype: made again as a checkpoint recomputes
+_CAST = "aten::_to_copy"
 
 
 Op = tuple[str, str, int, int]  # phase, kind, FLOPs, bytes moved
@@ -360,6 +362,9 @@ class Counting(TorchDispatchMode):
         # converted; the converted ones' local shapes, both ways (their gradients')
         self.weights: dict[int, tuple[weakref.ref, bool]] = {}
         self.weight_shapes: set[tuple[int, ...]] = set()
+        # the nn.Linear weights' own storages (`linears`), whose autocast copies are
+        # weights too: the recompute's, which no forward hook sees (Counting._linear)
+        self.params: dict[int, tuple[weakref.ref, bool]] = {}
         self.run: _Run | None = None  # the memory-bound ops since the last other kernel
         # which part of the step an op runs in (`_parts`, where `measure` sets it)
         self.where: Callable[[], tuple[str, str]] | None = None
@@ -419,6 +424,9 @@ class Counting(TorchDispatchMode):
             self.work.ops[(phase, MEMORY, 0, moved)] += 1
             if phase != OPTIMIZER:
                 self._fuse(phase, ins, outs)
+            if name == _CAST and ins and (e := _live(self.params, ins[0].untyped_storage())):
+                st = outs[0].untyped_storage()
+                self.weights[st._cdata] = (weakref.ref(st), e[1])
             return out
         self.end_run()
         local_args = [_local(a) if isinstance(a, torch.Tensor) else a for a in args]
@@ -1071,6 +1079,9 @@ def linears(module: nn.Module, blocks: list[nn.Module], counting: Counting) -> I
     def enter(m: nn.Module, *_) -> None:
         if not checkpointing.recomputing():
             counting.linear.append(id(m) in converted)
+            # the weight it runs with (FSDP's unsharded one), which autocast casts
+            st = _local(m.weight).untyped_storage()
+            counting.params[st._cdata] = (weakref.ref(st), id(m) in converted)
 
     def leave(*_) -> None:
         if not checkpointing.recomputing():
