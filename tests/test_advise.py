@@ -1536,6 +1536,13 @@ def test_a_pipelines_first_stage_holds_the_schedules_micro_batches():
     assert extra(pp=4, accumulation=8, schedule="gpipe") == 7
     assert extra(pp=8, accumulation=8, schedule="interleaved") == 7
     assert extra(pp=8, accumulation=16, schedule="interleaved") == 10.5
+    # each of its 23 forwards in flight then holds its stage's input, though two of
+    # them make one micro-batch's pass through the rank's blocks
+    m = dataclasses.replace(m, input_saved_bytes=10)
+    kept = advise.held(_candidate(pp=8, accumulation=16, schedule="interleaved"), m)
+    assert kept.inputs == 22 and kept.activations(m) == 10.5 * 100 + 22 * 10
+    kept = advise.held(_candidate(pp=4, accumulation=8, schedule="1f1b"), m)
+    assert kept.inputs == 3 and kept.activations(m) == 3 * (100 + 10)
     assert [advise.stage_blocks(10, pp) for pp in (1, 2, 3, 4)] == [10, 5, 4, 3]
 
 
@@ -1549,10 +1556,10 @@ def test_interleaved_1f1b_holds_one_stages_gradients_at_its_peak_where_torch_red
     order = advise.rank0_order("interleaved", 8, 8)
     assert [k for k, _ in order] == ["F"] * 16 + ["B"] * 16
     assert [s for k, s in order if k == "B"] == [8] * 8 + [0] * 8
-    assert max(share for _, share in advise._held_points("interleaved", 8, 8)) == 0.5
-    assert max(advise._held_points("1f1b", 8, 8)) == (8.0, 1.0)
-    assert max(advise._held_points("gpipe", 4, 8)) == (8.0, 1.0)
-    assert max(share for _, share in advise._held_points("interleaved", 8, 16)) == 1.0
+    assert max(share for _, share, _ in advise._held_points("interleaved", 8, 8)) == 0.5
+    assert max(advise._held_points("1f1b", 8, 8)) == (8.0, 1.0, 8)
+    assert max(advise._held_points("gpipe", 4, 8)) == (8.0, 1.0, 8)
+    assert max(share for _, share, _ in advise._held_points("interleaved", 8, 16)) == 1.0
     shards = {fakerank.Shard(1000, 10, 4, 8): 1}
     m = dataclasses.replace(_measured(_work(1, 1)), shards=shards, block_saved_bytes=10**6)
     pp = {"pp": 8, "dp_shard": 2, "zero": 2, "accumulation": 8}

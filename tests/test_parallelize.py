@@ -68,9 +68,10 @@ def test_a_pipelines_first_stage_holds_what_advise_prices_for_each_micro_batch(s
     """The cells' own pipeline (PipelineStage under GPipe, rank 0: the embedding and the
     first half of the blocks, on real tensors alone over the no-communication group)
     holds, for each more micro-batch in flight, what advise prices one at
-    (`advise.in_flight`: what the stage's forward made and still holds, parameters
-    aside), measured on fake tensors: the peaks at 4 and 8 micro-batches of the same
-    size differ by 4 of them (GPipe holds every forward before any backward)."""
+    (`advise.Held.activations`: what the stage's forward made and still holds,
+    parameters aside, its blocks' and its input), measured on fake tensors: the peaks
+    at 4 and 8 micro-batches of the same size differ by 4 of them (GPipe holds every
+    forward before any backward)."""
     model = ModelSpec.of("gpt", vocab=512, seq_len=32, n_layer=8, n_head=4, d_model=256)
     peaks = []
     for m in (4, 8):
@@ -88,5 +89,5 @@ def test_a_pipelines_first_stage_holds_what_advise_prices_for_each_micro_batch(s
         assert cell["status"] == "ok", cell["reason"]
         peaks.append(cell["peak_memory_bytes"])
     probe = fakerank.Probe(spec.layout, micro=2, precision=spec.precision, blocks=4)
-    priced = advise.in_flight(fakerank.measure(model, probe))
+    priced = advise.Held(1, 0, 1).activations(fakerank.measure(model, probe))
     assert (peaks[1] - peaks[0]) / 4 == pytest.approx(priced, rel=0.01), (peaks, priced)

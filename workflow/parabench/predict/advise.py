@@ -274,13 +274,17 @@ def _interleaved_order(pp: int, micro_batches: int) -> tuple[tuple[str, int], ..
 
 
 @functools.cache
-def _held_points(schedule: str, pp: int, micro_batches: int) -> tuple[tuple[float, float], ...]:
+def _held_points(
+    schedule: str, pp: int, micro_batches: int
+) -> tuple[tuple[float, float, int], ...]:
     """Each moment of the first rank's schedule where what it holds can peak: during a
     forward (its activations just saved) and during a backward (the stage's gradients
     there, its activations not yet freed). Each as (micro-batches of the whole stage's
     saved activations, share of the stage's parameters whose gradients are held
-    unsharded): a stage of a rank's v stages holds from its first backward to its
-    last, when torch reduces them (`_add_reduce_grad`: "reduce_grad frees memory")."""
+    unsharded, forwards in flight): a stage of a rank's v stages holds from its first
+    backward to its last, when torch reduces them (`_add_reduce_grad`: "reduce_grad
+    frees memory"); each forward in flight holds its stage's input (the embedding's
+    output, or what the stage before sent), whatever share of the blocks it ran."""
     v = stages_per_rank(schedule)
     order = rank0_order(schedule, pp, micro_batches)
     backwards = collections.Counter(stage for kind, stage in order if kind == "B")
@@ -289,12 +293,12 @@ def _held_points(schedule: str, pp: int, micro_batches: int) -> tuple[tuple[floa
     for kind, stage in order:
         if kind == "F":
             acts += 1
-            points.append((acts / v, grads / v))
+            points.append((acts / v, grads / v, acts))
             continue
         if not seen[stage]:
             grads += 1
         seen[stage] += 1
-        points.append((acts / v, grads / v))
+        points.append((acts / v, grads / v, acts))
         acts -= 1
         if seen[stage] == backwards[stage]:
             grads -= 1  # reduced: its sharded gradient stays, as in the measured step
@@ -308,13 +312,21 @@ class Held:
 
     micro_batches: float = 0.0  # other micro-batches' saved activations, in flight
     grads: int = 0  # bytes of gradients held unsharded, beyond the measured peak's
+    inputs: int = 0  # other forwards' stage inputs held (Interleaved: more than the above)
+
+    def activations(self, m) -> int:
+        """Their bytes, as the measured micro-batch's step `m` holds one
+        (PeakTracker.in_flight): what its blocks saved for each, and its stage's input
+        (the embedding's output, which the first block saves under full AC) for each
+        forward."""
+        return int(self.micro_batches * m.block_saved_bytes + self.inputs * m.input_saved_bytes)
 
 
 def held(c: Candidate, m) -> Held:
     """The moment of `c`'s pipeline schedule where its first rank holds most
     (`_held_points`), as the measured micro-batch's step `m` prices each: a micro-batch
-    in flight holds what the stage's blocks and its input saved for one (`in_flight`); with
-    FSDP, each stage's gradients are held whole between its first backward and its
+    in flight holds what the stage's blocks saved for one, and each forward in flight
+    its stage's input (`Held.activations`); with FSDP, each stage's gradients are held whole between its first backward and its
     last. torch's PipelineStage turns FSDP's gradient sync and resharding off for every
     backward (set_requires_gradient_sync(False), set_reshard_after_backward(False):
     stage.py's backward_maybe_with_nosync) and reduces at the schedule's REDUCE_GRAD,
@@ -332,17 +344,10 @@ def held(c: Candidate, m) -> Held:
         whole = int(4 * sum(n * k.rows * k.row_elements for k, n in m.shards.items()))
     measured_grads = m.by_category.get("grad", 0)
     points = [
-        Held(acts - 1, max(int(share * whole) - measured_grads, 0) if share else 0)
-        for acts, share in _held_points(lay.schedule, lay.pp, c.accumulation)
+        Held(acts - 1, max(int(share * whole) - measured_grads, 0) if share else 0, forwards - 1)
+        for acts, share, forwards in _held_points(lay.schedule, lay.pp, c.accumulation)
     ]
-    return max(points, key=lambda h: h.micro_batches * in_flight(m) + h.grads)
-
-
-def in_flight(m) -> int:
-    """What each micro-batch in flight holds on a pipeline's first stage: what the
-    forward made before the blocks (the embedding's output, which the first block saves
-    under full AC) and in them, and still holds as it ends (PeakTracker.in_flight)."""
-    return m.block_saved_bytes + m.input_saved_bytes
+    return max(points, key=lambda h: h.activations(m) + h.grads)
 
 
 def collectives(m, lay: Layout, float8: bool = False) -> dict:
@@ -701,7 +706,7 @@ class Search:
             return {**row, "status": "failed", "reason": m}
         # the first stage's other micro-batches in flight, and its gradients held whole
         kept = held(c, m)
-        extra, accumulated = int(kept.micro_batches * in_flight(m)), kept.grads
+        extra, accumulated = kept.activations(m), kept.grads
         peak = m.peak_bytes + extra + accumulated
         how = f"measured at {m.blocks} blocks"
         if m.extended_from:
