@@ -323,19 +323,19 @@ class Held:
 
 
 def held(c: Candidate, m) -> Held:
-    """The moment of `c`'s pipeline schedule where its first rank holds most
-    (`_held_points`), as the measured micro-batch's step `m` prices each: a micro-batch
-    in flight holds what the stage's blocks saved for one, and each forward in flight
-    its stage's input (`Held.activations`); with FSDP, each stage's gradients are held whole between its first backward and its
-    last. torch's PipelineStage turns FSDP's gradient sync and resharding off for every
-    backward (set_requires_gradient_sync(False), set_reshard_after_backward(False):
-    stage.py's backward_maybe_with_nosync) and reduces at the schedule's REDUCE_GRAD,
-    and FSDP2 keeps each gradient unsharded in the reduce dtype meanwhile
-    (`unsharded_accumulated_grad`: fp32 under bf16 mixed precision): 4 bytes an element
-    of the stage's tp-local parameters, less the gradients the measured step held at
-    its peak; a rank's stages taken as holding equal shares. 1F1B and GPipe hold all of
-    both at once; Interleaved 1F1B reduces one stage's before its other's first
-    backward."""
+    """The moment of `c`'s pipeline schedule where its first rank holds most (`_held_points`),
+    as the measured micro-batch's step `m` prices each: a micro-batch in flight holds
+    what the stage's blocks saved for one, and each forward in flight its stage's input
+    (`Held.activations`); with FSDP, each stage's gradients are held whole between its
+    first backward and its last. torch's PipelineStage turns FSDP's gradient sync and
+    resharding off for every backward (set_requires_gradient_sync(False),
+    set_reshard_after_backward(False): stage.py's backward_maybe_with_nosync) and
+    reduces at the schedule's REDUCE_GRAD, and FSDP2 keeps each gradient unsharded in
+    the reduce dtype meanwhile (`unsharded_accumulated_grad`: fp32 under bf16 mixed
+    precision): 4 bytes an element of the stage's tp-local parameters, less the
+    gradients the measured step held at its peak; a rank's stages taken as holding equal
+    shares. 1F1B and GPipe hold all of both at once; Interleaved 1F1B reduces one
+    stage's before its other's first backward."""
     lay = c.layout
     if lay.pp == 1:
         return Held()

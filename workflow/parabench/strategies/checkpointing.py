@@ -4,9 +4,9 @@ A checkpointed block keeps only its input from the forward; backward runs its fo
 again to rebuild the activations it needs (the recompute), trading compute for
 memory. Levels (layout.AC_PATTERN), as torchtitan's `activation_checkpoint` offers:
 - full: every repeated block;
-- selective: every block, under torchtitan's per-op policy: the results of matmuls,
-  attention and collectives are saved, the cheap elementwise ops recomputed (less
-  memory saved than full, little compute added);
+- selective: every block, under torchtitan's per-op policy: the results of every
+  other matmul, of attention and of collectives are saved, the cheap elementwise ops
+  recomputed (less memory saved than full, little compute added);
 - every<k>: every k-th block in full (torchtitan's per-layer option).
 
 Applied in place, as compile is (`block.forward` replaced): parameter names stay the
@@ -118,7 +118,13 @@ def _plain():
 
 def _saved_ops() -> set:
     """torchtitan's per-op save list (torchtitan/models/llama3/infra/parallelize.py
-    `_save_list`), with the CPU's attention kernel: what a selective block keeps."""
+    `_save_list`: mm, the attention kernels, reduce_scatter_tensor, max), with the
+    CPU's attention kernel and two of parabench's own: addmm, a biased linear's matmul
+    (torchtitan's Llama has no biases), saved every time, as the every-other rule
+    counts mm only (so a biased model's linears all keep their outputs: the GPT
+    preset's); and all_reduce, tensor parallelism's row-wise output without sequence
+    parallelism (which torchtitan always runs), the reduce-scatter's counterpart, so
+    that the recompute issues no collective. What a selective block keeps."""
     ops = torch.ops
     names = [
         (ops.aten, "mm"),
