@@ -136,6 +136,8 @@ def test_a_deep_stage_measured_at_a_few_depths_is_the_stage_measured_whole(spec,
         assert ext.work.recompute_flops == pytest.approx(whole.work.recompute_flops)
         assert _flat(ext.work.comm_by_dim) == pytest.approx(_flat(whole.work.comm_by_dim))
         assert (ext.blocks, whole.blocks) == (9, 9)
+        assert 0 < ext.work.block_flops == pytest.approx(whole.work.block_flops, rel=1e-9)
+        assert ext.work.block_flops < ext.work.flops(fakerank.STEP)  # the head's are not
         width = spec.size_dict().get("d_model") or spec.size_dict()["config"]["hidden_size"]
         seq = spec.size_dict()["seq_len"]
         assert whole.boundary_bytes == micro * seq * width * 2 // shape.layout.tp  # bf16
@@ -1007,6 +1009,19 @@ def test_interleaved_1f1b_at_as_many_micro_batches_as_stages_is_measured_on_its_
             assert bool(r["fits"]) == rule(_candidate_of(r)), r
     assert not any(
         r["schedule"] == "interleaved" and r.get("fits") and r["accumulation"] > r["pp"]
+        for r in rows
+    )
+    # and the other way: the island alone does not fit, the smaller micro-batches do
+
+    def other(c: advise.Candidate) -> bool:
+        return c.layout.schedule != "interleaved" or c.accumulation > c.layout.pp
+
+    rows, _ = _ruled_search(other)
+    for r in rows:
+        if r["status"] in ("ok", "inferred") and r["pp"] > 1 and r.get("fits") is not None:
+            assert bool(r["fits"]) == other(_candidate_of(r)), r
+    assert any(
+        r["schedule"] == "interleaved" and r["accumulation"] == r["pp"] and r.get("fits") is False
         for r in rows
     )
 

@@ -168,6 +168,9 @@ def test_a_stage_checkpoints_the_models_repeated_blocks_it_holds():
     # one layer between the embedding and the head: the layer, though the classes tie
     one = build(ModelSpec.of(**{**GPT, "n_layer": 1}), 0).blocks()
     assert [type(b).__name__ for b in checkpointing.repeated(one)] == ["Block"]
+    # resmlp's embedding and head are both nn.Sequential: outnumbering one layer
+    mlp = build(ModelSpec.of("resmlp", depth=1, width=16, d_in=8, classes=4), 0)
+    assert [type(b).__name__ for b in checkpointing.repeated(mlp.blocks())] == ["Residual"]
 
 
 def test_a_layout_labels_itself_and_says_what_is_wrong_naming_the_key():

@@ -715,7 +715,10 @@ class Search:
         if m.derived_from:
             how += f"; derived from its rank with FSDP over {m.derived_from} (fakerank.at_shard)"
         if extra:
-            how += f"; {kept.micro_batches:g} more micro-batches' saved activations in flight added"
+            how += f"; {kept.micro_batches:g} more micro-batches' saved activations in flight"
+            if kept.inputs != kept.micro_batches:  # Interleaved: a forward a stage
+                how += f", and {kept.inputs:g} more forwards' stage inputs,"
+            how += " added"
         if accumulated:
             how += (
                 "; the stage's unsharded fp32 gradients, accumulated over its micro-batches, added"
@@ -858,10 +861,11 @@ def _search_family(
     rows = []
     by = {(c.layout.ac, c.micro): c for c in cands}
     micros = sorted({c.micro for c in cands})
-    # Interleaved 1F1B at as many micro-batches as stages holds less than at twice as
-    # many (its rank runs each stage's backwards before the other's, and reduces that
-    # stage's gradients early: `_held_points`), so its largest micro-batch can fit where
-    # a smaller one does not: measured on its own, not decided by the smaller ones
+    # Interleaved 1F1B at as many micro-batches as stages holds half the gradients it
+    # holds at twice as many (its rank runs each stage's backwards before the other's,
+    # and reduces that stage's gradients early: `_held_points`), though more of each
+    # micro-batch's activations, so its largest micro-batch can fit where a smaller one
+    # does not: measured on its own, neither deciding nor decided by the smaller ones
     island = next(
         (
             c.micro
@@ -933,7 +937,7 @@ def _search_family(
             continue
         row = {**search.base(c, global_batch, tokens), "status": "inferred"}
         smaller = [m for m in steady if m < c.micro and (ac, m) in done]
-        if why := failed("full", first):
+        if (why := failed("full", first)) and not (c.micro == island and at_island):
             row.update(status="failed", reason=f"not measured: its lightest option failed ({why})")
         elif not lightest:
             row.update(
@@ -1148,7 +1152,12 @@ def search(
                 rows += done[fam][0]
                 continue
             c0 = families[first][0]
-            lightest_micro = min(c.micro for c in families[first])
+            tried = sorted(  # its smallest micro-batch, and Interleaved 1F1B's island
+                {min(c.micro for c in families[first])}
+                | {c.micro for c in families[first] if c.layout.pp == c.accumulation}
+                & {c.micro for c in families[first] if c.layout.schedule == "interleaved"}
+            )
+            lightest_micro = " nor at ".join(str(m) for m in tried)
             zero = {3: "ZeRO-3", 2: "ZeRO-2"}.get(c0.layout.zero, "")
             got = [
                 {

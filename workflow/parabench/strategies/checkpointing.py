@@ -37,16 +37,14 @@ from parabench.process.marks import RECOMPUTE, region
 
 
 def repeated(blocks: list[nn.Module]) -> list[nn.Module]:
-    """The blocks of the most common class (a transformer's layers, not its embedding
-    or head, where a model declares those as blocks too: a sequential model's
-    children). Where classes tie (one layer between an embedding and a head), not the
-    first's or the last's."""
+    """The blocks of the most common class between the first and the last (a
+    transformer's layers, not its embedding or head, where a model declares those as
+    blocks too: a sequential model's children; at one layer, or where the embedding
+    and the head share a class, the middle still tells)."""
     if not blocks:
         return []
-    counts = collections.Counter(type(b) for b in blocks)
-    top = [t for t, n in counts.items() if n == max(counts.values())]
-    inner = [t for t in top if t not in (type(blocks[0]), type(blocks[-1]))]
-    common = (inner or top)[0]
+    middle = blocks[1:-1] or blocks
+    common = collections.Counter(type(b) for b in middle).most_common(1)[0][0]
     return [b for b in blocks if type(b) is common]
 
 
