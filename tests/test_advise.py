@@ -481,6 +481,21 @@ def test_advise_writes_every_column_and_accounts_for_every_candidate(advised):
     assert "advise llama N=8" in out
 
 
+def test_a_search_that_failed_partway_is_reported_as_failed_not_answered(advised):
+    """A (model, N) whose search failed partway keeps the rows it decided, unranked,
+    and a row of no layout saying why (advise._advise_model): the report says it was
+    not advised, and why, rather than call an unranked row the fastest that fits."""
+    from parabench.report.advice import _sections
+
+    table, _ = advised
+    mine = table[table["gpus"] == 4].copy()
+    mine["rank"] = float("nan")
+    cut = pd.DataFrame([{"model": "llama", "gpus": 4, "status": "failed", "reason": "boom"}])
+    sections = _sections(pd.concat([mine, cut]))
+    assert len(sections) == 1 and [f["reason"] for f in sections[0]["failed"]] == ["boom"]
+    assert not sections[0].get("best")
+
+
 def test_a_search_killed_halfway_leaves_the_rows_it_decided(advised, tmp_path):
     """advise.csv is written as each layout's rows are decided: killed (SIGKILL, no
     handler runs) once some are in, the table holds them, each as the full search
@@ -631,6 +646,10 @@ def test_a_layout_is_priced_alike_to_the_bit_in_every_process(tmp_path):
         ({"gpu": "h1000"}, (), "advise.gpu: 'h1000'"),
         # Float8 on a card with no FP8 tensor cores, asked for on the command line
         ({}, ("--gpu", "a100", "--float8"), "advise.float8: gpu 'a100'"),
+        # the command line's options are the file's keys, held to the same bounds
+        ({}, ("--gpus", "0"), "advise.gpus.0: 0 is less than the minimum of 1"),
+        ({}, ("--gpus", "8", "8"), "advise.gpus: [8, 8] has non-unique elements"),
+        ({}, ("--global-batch", "0"), "advise.global_batch: 0 is less than the minimum"),
     ],
 )
 def test_a_config_advise_cannot_use_is_refused_naming_its_key(tmp_path, change, extra, said):

@@ -248,3 +248,15 @@ def test_a_four_rank_benchmark_also_times_its_pairs_where_a_layout_puts_them(tmp
     assert {k for k in f.tables if len(k) == 4} == {
         (op, 2, 4, s) for op in collectives.CURVES for s in (1, 2)
     }
+
+
+def test_a_profile_of_other_nodes_keeps_its_links_and_a_nic_a_gpu():
+    """advise.gpus_per_node 4 on an 8-GPU profile: a group of 8 crosses two nodes (on
+    their 4 NICs each), a group of 4 stays on NVLink as before."""
+    h100 = fabric.PROFILES["h100-nvlink-ndr400"]
+    four = h100.of_nodes(4)
+    assert four.gpus_per_node == 4 and h100.of_nodes(8) is h100
+    assert four.time("all_gather", 4, 1e9) == h100.time("all_gather", 4, 1e9)
+    assert four.time("all_gather", 8, 1e9) > 2 * h100.time("all_gather", 8, 1e9)
+    # a node's network is its GPUs' NICs: a group across 4-GPU nodes, half an 8's
+    assert four.time("all_gather", 16, 1e9) > h100.time("all_gather", 16, 1e9)

@@ -552,7 +552,7 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def _advise(args: argparse.Namespace) -> int:
-    from parabench.config import ConfigError, advise_problems
+    from parabench.config import ConfigError, advise_problems, checked
     from parabench.hardware.fabric import FabricError, resolve
     from parabench.hardware.gpus import THIS_MACHINE, GPUError
     from parabench.hardware.gpus import resolve as resolve_gpu
@@ -564,13 +564,16 @@ def _advise(args: argparse.Namespace) -> int:
         for key in ("gpus", "gpus_per_node", "gpu", "fabric", "models"):
             if getattr(args, key) is not None:
                 adv[key] = getattr(args, key)
-        if args.global_batch or args.global_tokens:
+        if args.global_batch is not None or args.global_tokens is not None:
             adv.pop("global_batch", None), adv.pop("global_tokens", None)
-            adv["global_batch" if args.global_batch else "global_tokens"] = (
-                args.global_batch or args.global_tokens
+            by_batch = args.global_batch is not None
+            adv["global_batch" if by_batch else "global_tokens"] = (
+                args.global_batch if by_batch else args.global_tokens
             )
         for key in ("compile", "float8"):
             adv[key] = adv.get(key) or getattr(args, key)
+        config = checked(config)  # the options as the file's keys: the same bounds
+        adv = config["advise"]
         if found := advise_problems(config, Path.cwd()):
             raise ConfigError("; ".join(found))
         curves = None
@@ -581,7 +584,8 @@ def _advise(args: argparse.Namespace) -> int:
             if not path.is_file():
                 raise ConfigError(f"advise.fabric: curves needs the collectives benchmark's {path}")
             curves = pd.read_csv(path)
-        fabric = resolve(adv["fabric"], curves)
+        # a named profile's nodes, as many GPUs as the search's (which keeps tp within)
+        fabric = resolve(adv["fabric"], curves).of_nodes(adv["gpus_per_node"])
         if adv["gpu"] == THIS_MACHINE:
             from parabench.predict.fakerank import this_machine
 

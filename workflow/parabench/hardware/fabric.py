@@ -178,6 +178,23 @@ class Fabric:
     # a two-level profile's latency: NCCL's model (nccl_time), or its tables' own
     nccl_latency: bool = False
 
+    def of_nodes(self, gpus_per_node: int) -> Fabric:
+        """This two-level profile with nodes of `gpus_per_node` GPUs: its links, a NIC
+        a GPU as its nodes have, so a node's share of the network scales with its GPUs
+        (its `inter` table is a whole node's)."""
+        if not self.gpus_per_node or gpus_per_node == self.gpus_per_node:
+            return self
+        k = gpus_per_node / self.gpus_per_node
+        t = self.tables["inter"]
+        inter = BusbwTable(t.sizes, tuple(b * k for b in t.busbw), t.latency_s)
+        return replace(
+            self,
+            name=f"{self.name} ({gpus_per_node} GPUs a node)",
+            source=f"{self.source}; nodes of {gpus_per_node} GPUs, a NIC each",
+            tables={**self.tables, "inter": inter},
+            gpus_per_node=gpus_per_node,
+        )
+
     def time(
         self, op: str, n: int, nbytes: float, span: int | None = None, world: int | None = None
     ) -> float:

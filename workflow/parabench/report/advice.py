@@ -62,14 +62,16 @@ def _sections(adv: pd.DataFrame) -> list[dict]:
     out = []
     for (model, n), group in adv.groupby(["model", "gpus"], sort=False):
         ok = group[group["status"] == "ok"]
-        if ok.empty and (group["status"] == "failed").any():  # nothing measured: why
+        failed = group[group["status"] == "failed"]
+        # a search that failed partway (a row of no layout: advise._advise_model) left
+        # the rows it decided unranked: no answer to give, only why
+        cut = failed[failed["layout"].isna()] if "layout" in failed else failed.iloc[:0]
+        if (ok.empty and len(failed)) or len(cut):
             out.append(
                 {
                     "model": model,
                     "gpus": int(n),
-                    "failed": rows(
-                        group[group["status"] == "failed"].drop_duplicates("reason").head(3)
-                    ),
+                    "failed": rows((cut if len(cut) else failed).drop_duplicates("reason").head(3)),
                 }
             )
             continue
