@@ -81,6 +81,15 @@ def _sections(adv: pd.DataFrame) -> list[dict]:
             from parabench.hardware.gpus import usable as usable_bytes
 
             usable = usable_bytes(float(ok["device_memory_bytes"].iloc[0]))
+        # what the fit rule sets against the memory (gpus.fits): on a GPU, the reserved
+        # peak, the CUDA context and NCCL's buffers against the card; on a CPU profile,
+        # every rank's peak on the one host against its memory less a tenth
+        on_gpu = bool(len(ok)) and ok.get("overhead_bytes", pd.Series(dtype=float)).gt(0).any()
+        need = (
+            ok["reserved_bytes"] + ok["overhead_bytes"]
+            if on_gpu
+            else ok["memory_bytes"] * ok["gpus"]
+        )
         # one row per layout, schedule, checkpointing and micro-batch
         same = ["pp", "dp_replicate", "dp_shard", "tp", "ac", "micro_batch", "zero", "schedule"]
         distinct = fits.drop_duplicates(same)
@@ -101,8 +110,12 @@ def _sections(adv: pd.DataFrame) -> list[dict]:
             "skipped": rows(
                 group[group["status"].isin(["skipped", "failed"])].drop_duplicates("reason")
             ),
-            "closest": rows(ok.sort_values("memory_bytes").head(1)) if best is None else [],
+            "closest": rows(ok.assign(need_bytes=need).sort_values("need_bytes").head(1))
+            if best is None
+            else [],
             "usable": usable,
+            "on_gpu": on_gpu,
+            "card": float(ok["device_memory_bytes"].iloc[0]) if len(ok) else None,
             "playbook": playbook(model, int(n), group, best),
         }
         out.append(section)
@@ -234,8 +247,14 @@ def _options(row) -> dict:
     return options(row)
 
 
+# advise.csv's counts: integers, read as floats where a row leaves them empty (a layout
+# skipped before its micro-batch was chosen), which the report would print as 8.0
+COUNTS = ("gpus", "pp", "dp_replicate", "dp_shard", "tp", "zero", "micro_batch", "accumulation")
+
+
 def advice(adv: pd.DataFrame, check: pd.DataFrame, summary: pd.DataFrame) -> dict:
     """What the report's "What to run" section reads."""
+    adv = adv.astype({c: "Int64" for c in COUNTS if c in adv})
     failed = adv[(adv["status"] == "failed") & adv["model"].isna()] if not adv.empty else adv
     return {
         "failed": list(failed["reason"]) if not failed.empty else [],
