@@ -187,6 +187,15 @@ def test_a_layout_labels_itself_and_says_what_is_wrong_naming_the_key():
     assert Layout(dp_shard=2, schedule="gpipe") == Layout(dp_shard=2)
     assert Layout(dp_shard=2, tp=2).stage == Layout(pp=2, dp_shard=2, tp=2, schedule="gpipe").stage
     assert not Layout(dp_shard=4, tp=2).problems()
+    # a dimension or setting said twice, or a schedule without a pipeline: refused
+    for text, said in [
+        ("TP 8 x TP 2", "TP given twice"),
+        ("DDP 2 x HSDP 2x4", "data parallelism given twice"),
+        ("selective AC, full AC", "checkpointing given twice"),
+        ("FSDP 64, 1F1B", "a schedule without a pipeline"),
+    ]:
+        with pytest.raises(ValueError, match=said):
+            Layout.parse(text)
     assert Layout(tp=0, ac="most", pp=2, schedule="zb").problems("advise.layout") == [
         "advise.layout.tp: must be an integer >= 1, got 0",
         "advise.layout.ac: must match none|full|selective|every[2-9], got 'most'",

@@ -181,18 +181,26 @@ class Layout:
         is ZeRO-2, as the cells run it."""
         degrees: dict[str, int] = {}
         settings: dict = {}
+
+        def once(table: dict, name: str, value, what: str) -> None:
+            """A dimension or a setting said once: twice is a contradiction or a slip
+            ("TP 8 x TP 2", "selective AC, full AC"), never the last one silently."""
+            if name in table:
+                raise ValueError(f"{key}: {what} given twice in {text!r}")
+            table[name] = value
+
         for part in (p.strip() for p in text.split(",")):
             low = part.lower()
             if not part:
                 continue
             if m := re.fullmatch(r"(\S+) ac|ac (\S+)", low):  # the level checked below
-                settings["ac"] = m.group(1) or m.group(2)
+                once(settings, "ac", m.group(1) or m.group(2), "checkpointing")
             elif low in ("sp", "no sp"):
-                settings["sequence_parallel"] = low == "sp"
+                once(settings, "sequence_parallel", low == "sp", "sequence parallelism")
             elif m := re.fullmatch(r"zero-?([023])", low):
-                settings["zero"] = int(m.group(1))
+                once(settings, "zero", int(m.group(1)), "the ZeRO stage")
             elif low in _SCHEDULE_READ:
-                settings["schedule"] = _SCHEDULE_READ[low]
+                once(settings, "schedule", _SCHEDULE_READ[low], "the schedule")
             elif low == "one device":
                 continue
             else:
@@ -207,12 +215,12 @@ class Layout:
                         dim = {"fsdp": "dp_shard", "ddp": "dp_replicate"}.get(
                             m.group(1), m.group(1)
                         )
-                        degrees[dim] = int(m.group(2))
+                        once(degrees, dim, int(m.group(2)), term.split()[0].upper())
                     else:
-                        degrees["dp_replicate"], degrees["dp_shard"] = (
-                            int(m.group(3)),
-                            int(m.group(4)),
-                        )
+                        once(degrees, "dp_replicate", int(m.group(3)), "data parallelism")
+                        once(degrees, "dp_shard", int(m.group(4)), "data parallelism")
+        if "schedule" in settings and degrees.get("pp", 1) == 1:
+            raise ValueError(f"{key}: a schedule without a pipeline (PP) in {text!r}")
         if degrees.get("pp", 1) > 1:  # a pipeline's FSDP: ZeRO-2 unless said otherwise
             settings.setdefault("zero", 2)
         layout = cls(**degrees, **settings)
