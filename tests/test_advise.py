@@ -1003,6 +1003,31 @@ def test_a_layout_is_decided_by_the_fit_of_its_own_schedule_only():
     assert families and all((f, 1, "full") in lightest for f in families)
 
 
+def test_a_worker_that_dies_costs_its_search_a_second_try_here_not_its_rows(tmp_path):
+    """A worker killed (for memory, say) breaks its pool for good: the search of that N
+    runs again in this process, and the next ones there too, rather than each becoming
+    a failed row."""
+    from concurrent.futures.process import BrokenProcessPool
+
+    class Broken:
+        _broken = False
+
+        def submit(self, *args, **kwargs):
+            self._broken = True
+            raise BrokenProcessPool("a child process terminated abruptly")
+
+    search = _Ruled(lambda c: True)
+    config = {
+        "advise": {"gpus": [4, 8], "gpus_per_node": 4, "global_batch": 16},
+        "models": {"llama": {"batch_size": 16}},
+    }
+    said: list[str] = []
+    rows = advise._advise_model(search, config, "llama", Broken(), tmp_path, [], said.append)
+    assert sum("searched again here" in line for line in said) == 1, said
+    assert {r["gpus"] for r in rows} == {4, 8} and not any(r["status"] == "failed" for r in rows)
+    assert any(r.get("rank") == 1 for r in rows)
+
+
 def test_interleaved_1f1b_at_as_many_micro_batches_as_stages_is_measured_on_its_own():
     """At as many micro-batches as stages, Interleaved 1F1B's rank reduces one stage's
     gradients before its other stage's first backward, and holds fewer micro-batches in

@@ -63,6 +63,7 @@ import re
 import sys
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -1394,6 +1395,8 @@ def _advise_model(
     for n in adv["gpus"]:
         t0, before = time.perf_counter(), search_.measurements
         progress = None
+        if pool is not None and getattr(pool, "_broken", False):
+            pool = None  # a worker died in an earlier search: the rest here
         try:
             facts = models.facts(spec)
             tokens = tokens_per_sample(spec)
@@ -1402,19 +1405,30 @@ def _advise_model(
                 raise ValueError(why or "; ".join(facts.problems))
             depth = fakerank.depth(spec)
             params = fakerank.parameters(spec)
-            progress = _Progress(f"advise {name} N={n}", search_, params, done + rows, out, log)
-            found = search(
-                search_,
-                name,
-                facts,
-                n,
-                adv.get("gpus_per_node", 8),
-                batch,
-                tokens,
-                depth,
-                pool,
-                progress.decided,
-            )
+            while True:
+                what = f"advise {name} N={n}"
+                progress = _Progress(what, search_, params, done + rows, out, log)
+                try:
+                    found = search(
+                        search_,
+                        name,
+                        facts,
+                        n,
+                        adv.get("gpus_per_node", 8),
+                        batch,
+                        tokens,
+                        depth,
+                        pool,
+                        progress.decided,
+                    )
+                    break
+                except BrokenProcessPool as e:
+                    if pool is None:
+                        raise
+                    # a worker died (killed for memory, say): what it measured before
+                    # is kept (search_.cache); this N again in this process
+                    log(f"{what}: a worker process died ({_why(e)}); searched again here")
+                    pool = None
         except Exception as e:  # this (model, N) fails; the table keeps the rest
             rows += progress.rows if progress else []  # what it decided before it failed
             rows.append({"model": name, "gpus": n, "status": "failed", "reason": _why(e)})
@@ -1452,16 +1466,21 @@ def check_torchtitan(
     tables: dict[str, list[dict]] = {}
     for t in TORCHTITAN_TABLES:
         tables.setdefault(t["table"], []).append(t)
-    futures = {
-        name: pool.submit(_torchtitan_rows, searcher, specs[runs[0]["model"]], runs)
-        for name, runs in (tables.items() if pool else ())
-    }
+    futures = {}
+    for name, runs in tables.items() if pool else ():
+        try:
+            futures[name] = pool.submit(_torchtitan_rows, searcher, specs[runs[0]["model"]], runs)
+        except BrokenProcessPool:  # a worker died before: the rest here
+            break
     rows = []
     for name, runs in tables.items():
         try:
-            if fut := futures.get(name):
-                got = fut.result()
-            else:
+            try:
+                got = futures[name].result() if name in futures else None
+            except BrokenProcessPool as e:  # its worker died: once more, here
+                log(f"torchtitan {name}: a worker process died ({_why(e)}); priced here")
+                got = None
+            if got is None:
                 got = _torchtitan_rows(searcher, specs[runs[0]["model"]], runs)
         except Exception as e:  # transformers missing, say: rows that say so
             got = [{"status": "failed", "reason": _why(e)}] * len(runs)
