@@ -588,6 +588,15 @@ def test_one_given_layout_is_priced_as_the_search_prices_it(advised, tmp_path):
     bad = _advise_cli(tmp_path / "bad", "--layout", "FSDP 2 x TP 2, micro 3")
     assert bad.returncode == 2 and len(bad.stderr.splitlines()) == 1
     assert bad.stderr.startswith("parabench advise: --layout: the global batch of 16")
+    # what the search would not run is refused as it says, before anything is measured
+    for extra, said in [
+        (("--layout", "PP 4"), "llama: PP 4: at most 2 stages (2 blocks)"),
+        (("--layout", "TP 8"), "llama: TP 8 is not within a node of 4 GPUs"),
+        (("--gpus", "8", "--layout", "FSDP 2 x TP 2"), "runs on 4 GPUs, not --gpus [8]"),
+    ]:
+        bad = _advise_cli(tmp_path / "refused", *extra)
+        assert bad.returncode == 2 and said in bad.stderr, bad.stderr
+        assert not (tmp_path / "refused" / "advise-layout.csv").exists()
 
 
 def test_a_given_layout_whose_rank_fails_says_why_in_its_row_and_its_line(tmp_path, monkeypatch):

@@ -603,7 +603,7 @@ def _advise(args: argparse.Namespace) -> int:
         os.environ[fakerank.CACHE_ENV] = str(args.cache.resolve())
     if args.layout:
         try:
-            advise.price(config, args.layout, gpu, fabric, args.out)
+            advise.price(config, args.layout, gpu, fabric, args.out, gpus=args.gpus)
         except ValueError as e:  # the layout or its micro-batch, named
             print(f"parabench advise: {e}", file=sys.stderr)
             return 2

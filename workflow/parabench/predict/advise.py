@@ -1278,18 +1278,52 @@ def candidate(text: str, model: str, global_batch: int, key: str = "--layout") -
     return c
 
 
+def applies(c: Candidate, facts, depth: int | None, gpus_per_node: int) -> str:
+    """Why a given layout is not one the search would run for this model (its
+    `candidates`' rules), or "": tp within a node and splitting the model's widths, a
+    pipeline's stages cut between its blocks, one at least each, the model sound."""
+    lay = c.layout
+    if facts.problems:
+        return "; ".join(facts.problems)
+    if lay.tp > 1:
+        if gpus_per_node % lay.tp:
+            return f"TP {lay.tp} is not within a node of {gpus_per_node} GPUs"
+        if why := facts.tp_skip or (not facts.has_tp_plan and "no tensor-parallel plan"):
+            return f"TP {lay.tp}: {why}"
+        if why := facts.tp_problem(lay.tp):
+            return f"TP {lay.tp}: {why}"
+    if lay.pp > 1:
+        if not depth or facts.cut_skip:
+            return f"PP {lay.pp}: {facts.cut_skip or 'its repeated blocks are not known'}"
+        if lay.pp > min(depth, MAX_PP):
+            return f"PP {lay.pp}: at most {min(depth, MAX_PP)} stages ({depth} blocks)"
+    if lay.schedule == "interleaved" and (
+        why := interleaved_refusal(lay.pp, c.accumulation, depth)
+    ):
+        return why
+    return ""
+
+
 def price(
-    config: dict, text: str, gpu: GPU, fabric: Fabric, out: Path, log: Callable = print
+    config: dict,
+    text: str,
+    gpu: GPU,
+    fabric: Fabric,
+    out: Path,
+    log: Callable = print,
+    gpus: list[int] | None = None,
 ) -> list[dict]:
     """One given layout (`text`: a run's own, or a published one) priced for each model
     of the config's `advise` section as the search prices a candidate: a row per model,
-    in out/advise-layout.csv (advise.csv stays the search's)."""
+    in out/advise-layout.csv (advise.csv stays the search's). Its GPUs are its degrees'
+    product: `gpus` (the command line's), where given, must hold it."""
     from parabench import models
     from parabench.config import model_spec
     from parabench.predict import fakerank
 
     adv = config["advise"]
-    rows = []
+    # every model's candidate first: a refusal before anything is measured or written
+    given = []
     for name in adv.get("models") or list(config["models"]):
         entry = config["models"][name]
         spec = model_spec(entry)
@@ -1298,12 +1332,16 @@ def price(
         if why:
             raise ValueError(why)
         c = candidate(text, name, batch)
-        if c.layout.schedule == "interleaved" and (
-            why := interleaved_refusal(c.layout.pp, c.accumulation, fakerank.depth(spec))
-        ):
-            raise ValueError(f"--layout: {why}")
+        if gpus and c.gpus not in gpus:
+            raise ValueError(f"--layout: {c.layout.label} runs on {c.gpus} GPUs, not --gpus {gpus}")
+        facts = models.facts(spec)
+        if why := applies(c, facts, fakerank.depth(spec), adv.get("gpus_per_node", 8)):
+            raise ValueError(f"--layout: {name}: {why}")
+        given.append((name, spec, tokens, batch, c, facts))
+    rows = []
+    for name, spec, tokens, batch, c, facts in given:
         search_ = searching({name: spec}, gpu, fabric, adv, log)
-        row = {**search_.row(c, models.facts(spec), batch, tokens)}
+        row = {**search_.row(c, facts, batch, tokens)}
         rows.append({**row, "params": fakerank.parameters(spec)})
         write_rows(out / LAYOUT_CSV, ADVISE_COLUMNS, rows)
         said = (
