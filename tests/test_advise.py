@@ -910,18 +910,11 @@ def test_a_failed_measurement_decides_nothing():
     it failed, and the search does not prune the heavier layouts of its degrees."""
     from parabench import models
 
-    class Failing(advise.Search):
+    class Failing(_Ruled):
         def row(self, c, facts, global_batch, tokens):
             return {**self.base(c, global_batch, tokens), "status": "failed", "reason": "boom"}
 
-    search = Failing(
-        {"llama": LLAMA},
-        gpus.PROFILES["h100"],
-        PROFILES["h100-nvlink-ndr400"],
-        "bf16",
-        "adamw",
-        log=lambda _: None,
-    )
+    search = Failing(lambda c: False)
     facts = models.facts(LLAMA)
     family = [
         c
